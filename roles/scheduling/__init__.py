@@ -1,0 +1,21 @@
+"""The conductor's I/O-free scheduling core (index, estimators, Algorithm 1).
+
+Driven by the HTTP conductor with wall-clock times and by the simulator
+with a simulated clock; nothing in this package reads a clock or does I/O.
+"""
+from .estimators import (DecodeEstimator, FlopsPrefillEstimator, ModelShape,
+                         PolynomialPrefillEstimator, PrefillEstimator, TransferEstimator,
+                         fit_polynomial)
+from .index import GlobalCacheIndex
+from .policies import POLICIES, PlanContext, Policy, make_policy
+from .scheduler import Scheduler, SchedulerConfig
+from .state import (Decision, DecodeNodeState, NodeReport, PrefillNodeState, PrefillPlan,
+                    Rejection, ScheduleRequest, TransferPlan)
+
+__all__ = [
+    "DecodeEstimator", "FlopsPrefillEstimator", "ModelShape", "PolynomialPrefillEstimator",
+    "PrefillEstimator", "TransferEstimator", "fit_polynomial", "GlobalCacheIndex", "POLICIES",
+    "PlanContext", "Policy", "make_policy", "Scheduler", "SchedulerConfig", "Decision",
+    "DecodeNodeState", "NodeReport", "PrefillNodeState", "PrefillPlan", "Rejection",
+    "ScheduleRequest", "TransferPlan",
+]

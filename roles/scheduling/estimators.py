@@ -1,0 +1,200 @@
+"""Time estimators used by Algorithm 1: prefill, transfer, decode step.
+
+All pure functions of their arguments plus learned coefficients; the
+caller passes the time (`now`) where state decays.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+# Terms of the prefill polynomial, in the order used for fitting. `n` is the
+# number of new (computed) tokens, `p` the reused prefix length.
+POLY_TERMS = ("c0", "n", "n2", "np", "p")
+
+
+def _poly_row(n: float, p: float) -> list[float]:
+    return [1.0, n, n * n, n * p, p]
+
+
+class PrefillEstimator(ABC):
+    @abstractmethod
+    def seconds(self, prompt_tokens: int, prefix_tokens: int) -> float:
+        """Predicted prefill seconds for a prompt with a reused prefix."""
+
+    def observe(self, prompt_tokens: int, prefix_tokens: int, seconds: float) -> None:
+        """Feed back a measured prefill; default: ignore."""
+
+
+class PolynomialPrefillEstimator(PrefillEstimator):
+    """t = c0 + c_n n + c_n2 n^2 + c_np n p + c_p p, n = new tokens.
+
+    `coeffs` uses the keys of POLY_TERMS (missing keys are 0), the format of
+    `model/profile.py`'s JSON. With `refit_every > 0`, the last `window`
+    observed samples are refitted by least squares every `refit_every`
+    observations (online refit); coefficients are clamped at >= 0 so that
+    the estimate stays monotone in the prompt length.
+    """
+
+    def __init__(self, coeffs: dict[str, float], refit_every: int = 0,
+                 window: int = 512) -> None:
+        unknown = set(coeffs) - set(POLY_TERMS)
+        if unknown:
+            raise ValueError(f"coeffs: unknown terms {sorted(unknown)}; known {POLY_TERMS}")
+        if refit_every < 0 or window < len(POLY_TERMS):
+            raise ValueError("refit_every must be >= 0 and window >= 5")
+        self.coeffs = {t: float(coeffs.get(t, 0.0)) for t in POLY_TERMS}
+        self.refit_every = refit_every
+        self.samples: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self._since_fit = 0
+
+    def seconds(self, prompt_tokens: int, prefix_tokens: int) -> float:
+        n = max(0, prompt_tokens - prefix_tokens)
+        c = self.coeffs
+        return max(0.0, c["c0"] + c["n"] * n + c["n2"] * n * n
+                   + c["np"] * n * prefix_tokens + c["p"] * prefix_tokens)
+
+    def observe(self, prompt_tokens: int, prefix_tokens: int, seconds: float) -> None:
+        self.samples.append((float(prompt_tokens - prefix_tokens), float(prefix_tokens), seconds))
+        self._since_fit += 1
+        if self.refit_every and self._since_fit >= self.refit_every \
+                and len(self.samples) >= len(POLY_TERMS):
+            self.coeffs = fit_polynomial(list(self.samples))
+            self._since_fit = 0
+
+
+def fit_polynomial(samples: list[tuple[float, float, float]]) -> dict[str, float]:
+    """Least-squares fit of POLY_TERMS to (new tokens, prefix, seconds).
+
+    Non-negative by an active-set loop: fit, drop terms with negative
+    coefficients, refit (small problem, at most 5 rounds).
+    """
+    if len(samples) < 1:
+        raise ValueError("samples: need at least one (n, p, seconds) sample")
+    x = np.array([_poly_row(n, p) for n, p, _ in samples], dtype=np.float64)
+    y = np.array([s for _, _, s in samples], dtype=np.float64)
+    # Scale columns so n^2 (~1e10) and 1 are comparable for lstsq.
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
+    active = list(range(len(POLY_TERMS)))
+    coef = np.zeros(len(POLY_TERMS))
+    for _ in range(len(POLY_TERMS)):
+        sol, *_ = np.linalg.lstsq(x[:, active] / scale[active], y, rcond=None)
+        coef[:] = 0.0
+        coef[active] = sol / scale[active]
+        neg = [a for a in active if coef[a] < 0]
+        if not neg:
+            break
+        active = [a for a in active if a not in neg]
+        if not active:
+            coef[:] = 0.0
+            break
+    return {t: float(c) for t, c in zip(POLY_TERMS, coef)}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The paper's symbols for a transformer (LLaMA3-70B defaults)."""
+
+    layers: int = 80
+    d_model: int = 8192
+    a: float = 4.0
+    b: float = 22.0
+    gqa: int = 8
+    bytes_per_elem: int = 2
+    params: float = 70.6e9
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        # K and V, each d/gqa wide, per layer: l * (2 d / gqa) * s.
+        return int(self.layers * 2 * self.d_model // self.gqa * self.bytes_per_elem)
+
+    def flops(self, n: float) -> float:
+        return self.layers * (self.a * n * n * self.d_model + self.b * n * self.d_model ** 2)
+
+
+class FlopsPrefillEstimator(PrefillEstimator):
+    """Prefill time = (flops(N) - flops(p)) / (G * efficiency) + overhead.
+
+    flops(N) - flops(p) is the paper's cost of computing the suffix while
+    attending over the reused prefix.
+    """
+
+    def __init__(self, shape: ModelShape, gpu_flops: float, efficiency: float = 0.5,
+                 overhead_s: float = 0.0) -> None:
+        if gpu_flops <= 0 or not 0 < efficiency <= 1:
+            raise ValueError("gpu_flops must be > 0 and efficiency in (0, 1]")
+        self.shape = shape
+        self.rate = gpu_flops * efficiency
+        self.overhead_s = overhead_s
+
+    def seconds(self, prompt_tokens: int, prefix_tokens: int) -> float:
+        p = min(prefix_tokens, prompt_tokens)
+        return self.overhead_s + (self.shape.flops(prompt_tokens) - self.shape.flops(p)) / self.rate
+
+
+class TransferEstimator:
+    """KV transfer time from a source node: queued bytes + bytes / bandwidth.
+
+    Bandwidth per source is an EWMA of observed transfers (starting at the
+    configured default). Each source's NIC is a FIFO: planned transfers
+    reserve it until `busy_until`, so a hot holder serving many pulls looks
+    slower to the next request, which is what pushes Algorithm 1 towards
+    recomputing or pulling from elsewhere.
+    """
+
+    def __init__(self, default_bandwidth_Bps: float, alpha: float = 0.2) -> None:
+        if default_bandwidth_Bps <= 0 or not 0 < alpha <= 1:
+            raise ValueError("default_bandwidth_Bps must be > 0 and alpha in (0, 1]")
+        self.default = default_bandwidth_Bps
+        self.alpha = alpha
+        self.bandwidth: dict[str, float] = {}
+        self.busy_until: dict[str, float] = {}
+
+    def bw(self, source: str) -> float:
+        return self.bandwidth.get(source, self.default)
+
+    def seconds(self, source: str, nbytes: int, now: float) -> float:
+        wait = max(0.0, self.busy_until.get(source, 0.0) - now)
+        return wait + nbytes / self.bw(source)
+
+    def reserve(self, source: str, nbytes: int, now: float) -> float:
+        """Book the source NIC for a transfer; returns its predicted end."""
+        start = max(now, self.busy_until.get(source, 0.0))
+        end = start + nbytes / self.bw(source)
+        self.busy_until[source] = end
+        return end
+
+    def observe(self, source: str, nbytes: int, seconds: float) -> None:
+        if seconds <= 0 or nbytes <= 0:
+            return
+        old = self.bw(source)
+        self.bandwidth[source] = (1 - self.alpha) * old + self.alpha * nbytes / seconds
+
+
+class DecodeEstimator:
+    """Decode step time (= TBT) as a linear function of batch and context.
+
+    t = c0 + c_batch * batch + c_ctx * total context tokens: memory-bound,
+    so c0 is reading the weights once per step and c_ctx reading one
+    token's KV, both over HBM bandwidth. Refit online like the prefill one.
+    """
+
+    def __init__(self, c0: float, c_batch: float, c_ctx: float) -> None:
+        if min(c0, c_batch, c_ctx) < 0:
+            raise ValueError("decode coefficients must be >= 0")
+        self.c0, self.c_batch, self.c_ctx = c0, c_batch, c_ctx
+
+    @classmethod
+    def from_hardware(cls, shape: ModelShape, hbm_Bps: float, efficiency: float = 0.7,
+                      per_seq_s: float = 1e-4) -> DecodeEstimator:
+        rate = hbm_Bps * efficiency
+        return cls(shape.params * shape.bytes_per_elem / rate, per_seq_s,
+                   shape.kv_bytes_per_token / rate)
+
+    def seconds(self, batch: int, context_tokens: int) -> float:
+        if batch <= 0:
+            return 0.0
+        return self.c0 + self.c_batch * batch + self.c_ctx * context_tokens

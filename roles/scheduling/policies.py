@@ -1,0 +1,178 @@
+"""Prefill-node selection policies, pluggable by name.
+
+A policy sees a `PlanContext` (the request, the live prefill nodes, each
+node's prefix match from the global index, and the estimators through
+`ctx.plan`) and returns a `PrefillPlan`. Decode selection and the SLO
+check are common to all policies and live in the scheduler.
+
+Non-Mooncake policies never plan transfers: their prefix is what the
+chosen node holds locally (as an instance with a local prefix cache
+would), so they differ only in how they pick the node.
+"""
+from __future__ import annotations
+
+import math
+import random
+from abc import ABC, abstractmethod
+from typing import Callable
+
+from .state import PrefillPlan, ScheduleRequest
+
+
+class PlanContext:
+    """Everything a policy may look at for one decision.
+
+    `matches[node]` = leading blocks of the request held by that node
+    (absent = 0); only live prefill nodes appear in `nodes`.
+    `plan(node, transfer_blocks_from)` prices a choice with the
+    estimators: T_queue + T_transfer + T_prefill.
+    """
+
+    def __init__(self, req: ScheduleRequest, now: float, nodes: list[str],
+                 matches: dict[str, int], queue_time: Callable[[str], float],
+                 prefill_s: Callable[[int, int], float],
+                 transfer_s: Callable[[str, int], float],
+                 kv_bytes_per_token: int, outstanding: Callable[[str], int],
+                 cached_blocks: Callable[[str], int]) -> None:
+        self.req = req
+        self.now = now
+        self.nodes = nodes
+        self.matches = matches
+        self.queue_time = queue_time
+        self.prefill_s = prefill_s
+        self.transfer_s = transfer_s
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.outstanding = outstanding  # requests sent to a node, not finished
+        self.cached_blocks = cached_blocks
+
+    def local(self, node: str) -> int:
+        return self.matches.get(node, 0)
+
+    def plan(self, node: str, source: str | None = None, source_blocks: int = 0) -> PrefillPlan:
+        """Price `node`, optionally pulling blocks [local, source_blocks) from `source`."""
+        from .state import TransferPlan  # local import keeps the header short
+
+        req = self.req
+        local = self.local(node)
+        t_queue = self.queue_time(node)
+        transfer = None
+        t_transfer = 0.0
+        blocks = local
+        if source is not None and source_blocks > local:
+            tokens = req.prefix_tokens(source_blocks) - req.prefix_tokens(local)
+            nbytes = tokens * self.kv_bytes_per_token
+            transfer = TransferPlan(source, local, source_blocks, tokens, nbytes)
+            t_transfer = self.transfer_s(source, nbytes)
+            blocks = source_blocks
+        prefix = req.prefix_tokens(blocks)
+        t_prefill = self.prefill_s(req.prompt_tokens, prefix)
+        return PrefillPlan(node, local, prefix, transfer, t_queue, t_transfer, t_prefill)
+
+
+class Policy(ABC):
+    name: str = ""
+
+    @abstractmethod
+    def choose(self, ctx: PlanContext) -> PrefillPlan:
+        """Pick a prefill node; ctx.nodes is non-empty."""
+
+
+class RandomPolicy(Policy):
+    name = "random"
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+
+    def choose(self, ctx: PlanContext) -> PrefillPlan:
+        return ctx.plan(self.rng.choice(ctx.nodes))
+
+
+class RoundRobinPolicy(Policy):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self.i = 0
+
+    def choose(self, ctx: PlanContext) -> PrefillPlan:
+        node = ctx.nodes[self.i % len(ctx.nodes)]
+        self.i += 1
+        return ctx.plan(node)
+
+
+class LoadBalancePolicy(Policy):
+    """Least queued prefill time; ignores caches when choosing."""
+
+    name = "load_balance"
+
+    def choose(self, ctx: PlanContext) -> PrefillPlan:
+        return ctx.plan(min(ctx.nodes, key=ctx.queue_time))
+
+
+class LocalCacheAwarePolicy(Policy):
+    """Algorithm 1 without transfers: min T_queue + T_prefill(local prefix)."""
+
+    name = "local_cache_aware"
+
+    def choose(self, ctx: PlanContext) -> PrefillPlan:
+        return min((ctx.plan(n) for n in ctx.nodes), key=lambda p: p.ttft)
+
+
+class MooncakePolicy(Policy):
+    """The paper's Algorithm 1 with cache load balancing.
+
+    For every node: if best_len / node.prefix_len > threshold, price pulling
+    the better prefix from the best holder (T_transfer), else recompute from
+    the local prefix. Keep the node with the least
+    T_transfer + T_queue + T_prefill. The chosen node keeps what it pulled
+    (the executor stores all the request's blocks on it), which is how hot
+    prefixes get replicated. Among several holders of the longest prefix the
+    one whose NIC frees first is the source.
+    """
+
+    name = "mooncake"
+
+    def __init__(self, kvcache_balancing_threshold: float = 1.5) -> None:
+        if kvcache_balancing_threshold < 1.0:
+            raise ValueError("kvcache_balancing_threshold must be >= 1.0")
+        self.threshold = kvcache_balancing_threshold
+
+    def choose(self, ctx: PlanContext) -> PrefillPlan:
+        best_len = max(ctx.matches.values(), default=0)
+        source = None
+        if best_len:
+            holders = [n for n, b in ctx.matches.items() if b == best_len]
+            source = min(holders, key=lambda n: ctx.transfer_s(n, 0))
+        best: PrefillPlan | None = None
+        for node in ctx.nodes:
+            local = ctx.local(node)
+            ratio = math.inf if local == 0 else best_len / local
+            if best_len and ratio > self.threshold:
+                plan = ctx.plan(node, source, best_len)
+            else:
+                plan = ctx.plan(node)
+            if best is None or plan.ttft < best.ttft:
+                best = plan
+        assert best is not None
+        return best
+
+
+POLICIES: dict[str, Callable[..., Policy]] = {
+    RandomPolicy.name: RandomPolicy,
+    RoundRobinPolicy.name: RoundRobinPolicy,
+    LoadBalancePolicy.name: LoadBalancePolicy,
+    LocalCacheAwarePolicy.name: LocalCacheAwarePolicy,
+    MooncakePolicy.name: MooncakePolicy,
+}
+
+
+def make_policy(name: str, **params: object) -> Policy:
+    """Build a policy by name; `params` are its constructor arguments."""
+    from . import peers  # registers the peer routers
+
+    factories = {**POLICIES, **peers.PEER_POLICIES}
+    if name not in factories:
+        raise ValueError(f"policy: unknown {name!r}; choose from {sorted(factories)}")
+    try:
+        return factories[name](**params)
+    except TypeError as e:
+        raise ValueError(f"policy {name!r}: bad parameters {params}: {e}") from None

@@ -1,0 +1,220 @@
+"""The scheduler: index + estimators + policy + per-node accounting.
+
+The only object the HTTP conductor and the simulator call. Time is always
+an argument; nothing here blocks, sleeps or does I/O.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from .estimators import DecodeEstimator, PrefillEstimator, TransferEstimator
+from .index import GlobalCacheIndex
+from .policies import PlanContext, Policy, make_policy
+from .state import (Decision, DecodeNodeState, NodeReport, PendingPrefill, PrefillNodeState,
+                    Rejection, ScheduleRequest)
+
+
+@dataclass
+class SchedulerConfig:
+    """Scheduling knobs (filled from TOML / --set by the conductor)."""
+
+    policy: str = "mooncake"
+    policy_params: dict = field(default_factory=dict)
+    ttft_slo_s: float = 30.0
+    tbt_slo_s: float = 0.1
+    reject: bool = True  # early rejection on predicted SLO violation
+    min_retry_after_s: float = 1.0
+    max_retry_after_s: float = 60.0
+    kv_bytes_per_token: int = 327_680  # LLaMA3-70B bf16: 80 * 2 * 1024 * 2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.policy, str) or not self.policy:
+            raise ValueError("policy must be a non-empty string")
+        if not isinstance(self.policy_params, dict):
+            raise ValueError("policy_params must be a dict")
+        for f in ("ttft_slo_s", "tbt_slo_s", "min_retry_after_s", "max_retry_after_s"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"{f} must be > 0")
+        if self.kv_bytes_per_token <= 0:
+            raise ValueError("kv_bytes_per_token must be > 0")
+
+
+@dataclass
+class _Inflight:
+    decision: Decision
+    req: ScheduleRequest
+    scheduled_at: float
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, prefill_estimator: PrefillEstimator,
+                 transfer_estimator: TransferEstimator, decode_estimator: DecodeEstimator,
+                 policy: Policy | None = None, index: GlobalCacheIndex | None = None) -> None:
+        self.config = config
+        self.index = index if index is not None else GlobalCacheIndex()
+        self.prefill_est = prefill_estimator
+        self.transfer_est = transfer_estimator
+        self.decode_est = decode_estimator
+        self.policy = policy if policy is not None else make_policy(config.policy,
+                                                                    **config.policy_params)
+        self.prefill: dict[str, PrefillNodeState] = {}
+        self.decode: dict[str, DecodeNodeState] = {}
+        self.inflight: dict[str, _Inflight] = {}
+        self._outstanding: dict[str, int] = {}
+        # estimator feedback: (predicted - actual) TTFT per finished request
+        self.ttft_errors: list[float] = []
+        self.rejections: dict[str, int] = {}
+
+    # ---- membership ---------------------------------------------------
+    def add_prefill_node(self, node: str, cache_capacity_blocks: int = 0) -> None:
+        self.prefill[node] = PrefillNodeState(node, cache_capacity_blocks=cache_capacity_blocks)
+        self._outstanding.setdefault(node, 0)
+
+    def add_decode_node(self, node: str, page_budget: int, page_tokens: int) -> None:
+        self.decode[node] = DecodeNodeState(node, page_budget, page_tokens)
+
+    def mark_dead(self, node: str) -> None:
+        """A dead node takes no work and its cache leaves the index."""
+        if node in self.prefill:
+            self.prefill[node].alive = False
+        if node in self.decode:
+            self.decode[node].alive = False
+        self.index.remove_node(node)
+
+    # ---- cache index feed ---------------------------------------------
+    def on_events(self, node: str, seq: int, stored: Iterable[int],
+                  evicted: Iterable[int]) -> bool:
+        """Apply a shard's event batch; False means: ask the node to resync."""
+        return self.index.apply_events(node, seq, stored, evicted)
+
+    def resync(self, node: str, keys: Iterable[int], next_seq: int | None = None) -> None:
+        self.index.resync(node, keys, next_seq)
+
+    # ---- the decision -------------------------------------------------
+    def _context(self, req: ScheduleRequest, now: float) -> PlanContext | None:
+        nodes = [n for n, s in self.prefill.items() if s.alive]
+        if not nodes:
+            return None
+        alive = set(nodes)
+        matches = {n: b for n, b in self.index.longest_prefix_per_node(req.block_keys).items()
+                   if n in alive}
+        return PlanContext(
+            req, now, nodes, matches,
+            queue_time=lambda n: self.prefill[n].queue_time(now),
+            prefill_s=self.prefill_est.seconds,
+            transfer_s=lambda src, nbytes: self.transfer_est.seconds(src, nbytes, now),
+            kv_bytes_per_token=self.config.kv_bytes_per_token,
+            outstanding=lambda n: self._outstanding.get(n, 0),
+            cached_blocks=self.index.blocks_on)
+
+    def select_decode(self, req: ScheduleRequest) -> tuple[DecodeNodeState | None, float]:
+        """Least predicted TBT among live decode nodes with pages for the request."""
+        tokens = req.prompt_tokens + req.expected_output_tokens
+        best, best_tbt = None, math.inf
+        for d in self.decode.values():
+            if not d.alive or d.free_pages < d.pages_for(tokens):
+                continue
+            tbt = self.decode_est.seconds(d.batch_size + 1, d.context_tokens + tokens)
+            if tbt < best_tbt:
+                best, best_tbt = d, tbt
+        return best, best_tbt
+
+    def _reject(self, req: ScheduleRequest, reason: str, ttft: float, tbt: float,
+                retry: float) -> Rejection:
+        self.rejections[reason] = self.rejections.get(reason, 0) + 1
+        retry = min(self.config.max_retry_after_s, max(self.config.min_retry_after_s, retry))
+        return Rejection(req.request_id, reason, ttft, tbt, retry)
+
+    def schedule(self, req: ScheduleRequest, now: float) -> Decision | Rejection:
+        if req.request_id in self.inflight:
+            raise ValueError(f"request_id {req.request_id!r} is already scheduled")
+        ctx = self._context(req, now)
+        if ctx is None:
+            return self._reject(req, "no_prefill_node", math.inf, math.inf, 1.0)
+        plan = self.policy.choose(ctx)
+        dnode, tbt = self.select_decode(req)
+        cfg = self.config
+        if dnode is None:
+            return self._reject(req, "no_decode_capacity", plan.ttft, math.inf, 1.0)
+        if cfg.reject and plan.ttft > cfg.ttft_slo_s:
+            return self._reject(req, "ttft_slo", plan.ttft, tbt, plan.ttft - cfg.ttft_slo_s)
+        if cfg.reject and tbt > cfg.tbt_slo_s:
+            return self._reject(req, "tbt_slo", plan.ttft, tbt, 1.0)
+
+        decision = Decision(req.request_id, plan.node, dnode.node_id,
+                            req.prefix_tokens(plan.local_prefix_blocks), plan.prefix_tokens,
+                            plan.transfer, plan.ttft, tbt, plan.t_queue, plan.t_transfer,
+                            plan.t_prefill, self.policy.name)
+        # Book the work so the next decision sees it before any heartbeat.
+        self.prefill[plan.node].pending[req.request_id] = PendingPrefill(plan.t_prefill, now)
+        self._outstanding[plan.node] = self._outstanding.get(plan.node, 0) + 1
+        if plan.transfer is not None:
+            self.transfer_est.reserve(plan.transfer.source, plan.transfer.bytes, now)
+        tokens = req.prompt_tokens + req.expected_output_tokens
+        pages = dnode.pages_for(tokens)
+        dnode.reserved[req.request_id] = (pages, tokens)
+        dnode.free_pages -= pages
+        dnode.batch_size += 1
+        dnode.context_tokens += tokens
+        self.inflight[req.request_id] = _Inflight(decision, req, now)
+        return decision
+
+    # ---- feedback from execution ----------------------------------------
+    def on_prefill_started(self, node: str, request_id: str, now: float) -> None:
+        p = self.prefill[node].pending.get(request_id)
+        if p is not None:
+            p.started_at = now
+
+    def on_prefill_finished(self, node: str, request_id: str, now: float,
+                            actual_seconds: float) -> None:
+        """Prefill done (first token out): refit and record the TTFT error."""
+        self.prefill[node].pending.pop(request_id, None)
+        self._outstanding[node] = max(0, self._outstanding.get(node, 0) - 1)
+        inf = self.inflight.get(request_id)
+        if inf is None:
+            return
+        self.prefill_est.observe(inf.req.prompt_tokens, inf.decision.prefix_tokens,
+                                 actual_seconds)
+        actual_ttft = now - inf.scheduled_at
+        self.ttft_errors.append(inf.decision.predicted_ttft_s - actual_ttft)
+
+    def on_transfer_finished(self, source: str, nbytes: int, seconds: float) -> None:
+        self.transfer_est.observe(source, nbytes, seconds)
+
+    def on_decode_finished(self, node: str, request_id: str, now: float) -> None:
+        self.inflight.pop(request_id, None)
+        d = self.decode.get(node)
+        if d is None:
+            return
+        pages, tokens = d.reserved.pop(request_id, (0, 0))
+        d.free_pages += pages
+        d.batch_size = max(0, d.batch_size - 1)
+        d.context_tokens = max(0, d.context_tokens - tokens)
+
+    def on_node_report(self, node: str, report: NodeReport, now: float) -> None:
+        """Heartbeat: replace our estimate of the node's load by its own."""
+        if node in self.prefill and report.queued_prefill_s is not None:
+            s = self.prefill[node]
+            s.reported_queue_s, s.reported_at = report.queued_prefill_s, report.at
+            # Work sent before the report is in the node's own figure (or done).
+            s.pending = {r: p for r, p in s.pending.items() if p.sent_at > report.at}
+        d = self.decode.get(node)
+        if d is not None:
+            if report.batch_size is not None:
+                d.batch_size = report.batch_size
+            if report.context_tokens is not None:
+                d.context_tokens = report.context_tokens
+            if report.free_pages is not None:
+                d.free_pages = report.free_pages
+            if report.recent_tbt_s is not None:
+                d.recent_tbt_s = report.recent_tbt_s
+
+    def estimator_error(self) -> dict[str, float]:
+        """Mean and mean-absolute (predicted - actual) TTFT, seconds."""
+        e = self.ttft_errors
+        if not e:
+            return {"count": 0, "mean_s": 0.0, "mean_abs_s": 0.0}
+        return {"count": len(e), "mean_s": sum(e) / len(e),
+                "mean_abs_s": sum(abs(x) for x in e) / len(e)}

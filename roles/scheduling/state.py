@@ -1,0 +1,182 @@
+"""Cluster view and decision types of the conductor's scheduling core.
+
+Everything here is plain data: no I/O, no clock. Times are seconds on
+whatever clock the caller drives (wall clock in the HTTP conductor, the
+simulated clock in the simulator); the core never reads a clock itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+@dataclass(frozen=True)
+class ScheduleRequest:
+    """What the conductor knows about a request when it schedules it.
+
+    `block_keys[i]` is the chained hash of prompt block i (block_size tokens;
+    the last block may be partial), so equal keys at equal positions mean
+    equal whole prefixes.
+    """
+
+    request_id: str
+    block_keys: tuple[int, ...]
+    prompt_tokens: int
+    block_size: int
+    expected_output_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens <= 0:
+            raise ValueError("prompt_tokens must be > 0")
+        if self.block_size <= 0:
+            raise ValueError("block_size must be > 0")
+        if self.expected_output_tokens < 0:
+            raise ValueError("expected_output_tokens must be >= 0")
+        want = -(-self.prompt_tokens // self.block_size)
+        if len(self.block_keys) != want:
+            raise ValueError(
+                f"block_keys: expected ceil({self.prompt_tokens}/{self.block_size})"
+                f" = {want} keys, got {len(self.block_keys)}")
+
+    def prefix_tokens(self, n_blocks: int) -> int:
+        """Tokens reusable from a prefix of n_blocks cached blocks.
+
+        At least one token is always computed: the last prompt position must
+        run through the model to produce the first output token.
+        """
+        return min(n_blocks * self.block_size, self.prompt_tokens - 1)
+
+
+@dataclass
+class PendingPrefill:
+    """Work sent to a prefill node and not yet confirmed by a report."""
+
+    estimate_s: float
+    sent_at: float
+    started_at: float | None = None
+
+
+@dataclass
+class PrefillNodeState:
+    """The conductor's view of one prefill node (or, later, one CPP group).
+
+    Queue time = what the node last reported (decayed by the time since the
+    report, since the node kept working) + estimates of work sent after
+    that report. Invariant: every entry of `pending` was sent after
+    `reported_at` or has not been accounted for by any report yet.
+    """
+
+    node_id: str
+    alive: bool = True
+    cache_capacity_blocks: int = 0
+    reported_queue_s: float = 0.0
+    reported_at: float = 0.0
+    pending: dict[str, PendingPrefill] = field(default_factory=dict)
+    # Seam for Chunked Pipeline Parallelism: a group of nodes acting as one
+    # prefill instance. Empty means a single node.
+    group_members: tuple[str, ...] = ()
+
+    def queue_time(self, now: float) -> float:
+        backlog = max(0.0, self.reported_queue_s - (now - self.reported_at))
+        for p in self.pending.values():
+            if p.started_at is None:
+                backlog += p.estimate_s
+            else:
+                backlog += max(0.0, p.estimate_s - (now - p.started_at))
+        return backlog
+
+
+@dataclass
+class DecodeNodeState:
+    """The conductor's view of one decode node.
+
+    `batch_size` and `context_tokens` include requests dispatched to it and
+    not yet finished; `free_pages` is the page budget left for new KV.
+    """
+
+    node_id: str
+    page_budget: int
+    page_tokens: int
+    alive: bool = True
+    batch_size: int = 0
+    context_tokens: int = 0
+    free_pages: int = -1  # -1: start equal to page_budget
+    recent_tbt_s: float = 0.0
+    # request id -> (pages, context tokens) reserved for it
+    reserved: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.page_budget <= 0:
+            raise ValueError("page_budget must be > 0")
+        if self.page_tokens <= 0:
+            raise ValueError("page_tokens must be > 0")
+        if self.free_pages < 0:
+            self.free_pages = self.page_budget
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_tokens)
+
+
+class NodeReport(NamedTuple):
+    """A heartbeat from a node, as the HTTP conductor receives it.
+
+    For a prefill node `queued_prefill_s` is its own estimate of the
+    seconds of prefill work it holds at time `at` (queued + remaining of
+    the running one). For a decode node the batch fields are used.
+    """
+
+    at: float
+    queued_prefill_s: float | None = None
+    batch_size: int | None = None
+    context_tokens: int | None = None
+    free_pages: int | None = None
+    recent_tbt_s: float | None = None
+
+
+class TransferPlan(NamedTuple):
+    """Pull blocks [from_block, to_block) of the request from `source`."""
+
+    source: str
+    from_block: int
+    to_block: int
+    tokens: int
+    bytes: int
+
+
+class PrefillPlan(NamedTuple):
+    """A policy's choice of prefill node, with its predicted components."""
+
+    node: str
+    local_prefix_blocks: int
+    prefix_tokens: int  # tokens not recomputed (local + transferred)
+    transfer: TransferPlan | None
+    t_queue: float
+    t_transfer: float
+    t_prefill: float
+
+    @property
+    def ttft(self) -> float:
+        return self.t_queue + self.t_transfer + self.t_prefill
+
+
+class Decision(NamedTuple):
+    request_id: str
+    prefill_node: str
+    decode_node: str
+    local_prefix_tokens: int
+    prefix_tokens: int
+    transfer: TransferPlan | None
+    predicted_ttft_s: float
+    predicted_tbt_s: float
+    t_queue: float
+    t_transfer: float
+    t_prefill: float
+    policy: str
+
+
+class Rejection(NamedTuple):
+    request_id: str
+    reason: str  # "ttft_slo" | "tbt_slo" | "no_prefill_node" | "no_decode_capacity"
+    predicted_ttft_s: float
+    predicted_tbt_s: float
+    retry_after_s: float

@@ -1,0 +1,209 @@
+"""Algorithm 1 and the policies on constructed cluster states."""
+import math
+
+import pytest
+
+from roles.scheduling import (DecodeEstimator, Decision, NodeReport, PolynomialPrefillEstimator,
+                              Rejection, ScheduleRequest, Scheduler, SchedulerConfig,
+                              TransferEstimator, make_policy)
+
+BS = 256
+KVB = 1000  # bytes per token: makes transfer times easy to compute by hand
+
+
+def make_sched(policy="mooncake", n_prefill=3, ttft_slo=30.0, tbt_slo=0.1, bw=1e6,
+               threshold=1.5, **params):
+    # prefill: 1 ms per new token, linear: T_prefill = 0.001 * (N - p)
+    est = PolynomialPrefillEstimator({"n": 1e-3})
+    if policy == "mooncake":
+        params.setdefault("kvcache_balancing_threshold", threshold)
+    cfg = SchedulerConfig(policy=policy, policy_params=params, ttft_slo_s=ttft_slo,
+                          tbt_slo_s=tbt_slo, kv_bytes_per_token=KVB)
+    s = Scheduler(cfg, est, TransferEstimator(bw), DecodeEstimator(0.02, 0.001, 0.0))
+    for i in range(n_prefill):
+        s.add_prefill_node(f"p{i}")
+    s.add_decode_node("d0", page_budget=10_000, page_tokens=BS)
+    s.add_decode_node("d1", page_budget=10_000, page_tokens=BS)
+    return s
+
+
+def req(rid, n_blocks, tokens=None, out=10):
+    tokens = tokens if tokens is not None else n_blocks * BS
+    return ScheduleRequest(rid, tuple(range(100, 100 + n_blocks)), tokens, BS, out)
+
+
+def load(s, node, seconds, now=0.0):
+    s.on_node_report(node, NodeReport(at=now, queued_prefill_s=seconds), now)
+
+
+def test_picks_min_ttft_not_longest_prefix():
+    s = make_sched(threshold=100.0)  # high threshold: no transfers
+    s.on_events("p0", 0, range(100, 108), [])  # p0 holds 8 of 10 blocks
+    s.on_events("p1", 0, range(100, 102), [])  # p1 holds 2
+    load(s, "p0", 5.0)
+    load(s, "p2", 5.0)
+    d = s.schedule(req("r", 10), now=0.0)
+    assert isinstance(d, Decision)
+    # p0: 5 + 0.001*512 = 5.512 ; p1: 0 + 0.001*2048 = 2.048 ; p2: 5 + 2.56
+    assert d.prefill_node == "p1"
+    assert d.local_prefix_tokens == 2 * BS and d.transfer is None
+    assert d.predicted_ttft_s == pytest.approx(2.048)
+    assert (d.t_queue, d.t_transfer) == (0.0, 0.0)
+
+
+def test_longest_prefix_wins_when_idle():
+    s = make_sched(threshold=100.0)
+    s.on_events("p0", 0, range(100, 108), [])
+    d = s.schedule(req("r", 10), now=0.0)
+    assert d.prefill_node == "p0" and d.predicted_ttft_s == pytest.approx(0.512)
+
+
+def test_plans_transfer_above_threshold():
+    s = make_sched(threshold=1.5)
+    s.on_events("p0", 0, range(100, 108), [])  # best holder, but loaded
+    s.on_events("p1", 0, range(100, 102), [])  # 8/2 = 4 > 1.5: pull
+    load(s, "p0", 10.0)
+    d = s.schedule(req("r", 10), now=0.0)
+    assert d.prefill_node in ("p1", "p2")
+    # p1 pulls 6 blocks = 1536 tokens * 1000 B / 1e6 B/s = 1.536 s, computes 512
+    # p2 pulls 8 blocks = 2.048 s, computes 512: p1 wins
+    assert d.prefill_node == "p1"
+    assert d.transfer.source == "p0"
+    assert (d.transfer.from_block, d.transfer.to_block) == (2, 8)
+    assert d.t_transfer == pytest.approx(1.536)
+    assert d.predicted_ttft_s == pytest.approx(1.536 + 0.512)
+    assert d.prefix_tokens == 8 * BS and d.local_prefix_tokens == 2 * BS
+
+
+def test_recomputes_below_threshold():
+    s = make_sched(threshold=1.5)
+    s.on_events("p0", 0, range(100, 106), [])  # 6 blocks
+    s.on_events("p1", 0, range(100, 105), [])  # 5 blocks: 6/5 = 1.2 <= 1.5
+    load(s, "p0", 10.0)
+    load(s, "p2", 10.0)
+    d = s.schedule(req("r", 10), now=0.0)
+    assert d.prefill_node == "p1" and d.transfer is None
+    assert d.predicted_ttft_s == pytest.approx(0.001 * 5 * BS)
+
+
+def test_hot_holder_nic_queue_raises_transfer_estimate():
+    s = make_sched(threshold=1.5, n_prefill=3)
+    s.on_events("p0", 0, range(100, 110), [])
+    load(s, "p0", 100.0)
+    d1 = s.schedule(req("a", 10), now=0.0)
+    assert d1.transfer is not None
+    d2 = s.schedule(req("b", 10), now=0.0)
+    # the second pull waits for the first on p0's NIC
+    assert d2.t_transfer > d1.t_transfer
+
+
+def test_rejects_when_no_node_meets_ttft_slo():
+    s = make_sched(ttft_slo=3.0)
+    for n in ("p0", "p1", "p2"):
+        load(s, n, 10.0)
+    r = s.schedule(req("r", 10), now=0.0)
+    assert isinstance(r, Rejection) and r.reason == "ttft_slo"
+    assert r.predicted_ttft_s == pytest.approx(12.56)
+    assert r.retry_after_s == pytest.approx(9.56)
+    assert s.rejections == {"ttft_slo": 1}
+    assert not s.inflight
+
+
+def test_rejects_on_tbt_slo():
+    s = make_sched(tbt_slo=0.01)  # decode step is >= 20 ms
+    r = s.schedule(req("r", 4), now=0.0)
+    assert isinstance(r, Rejection) and r.reason == "tbt_slo"
+
+
+def test_decode_selection_by_load_and_pages():
+    s = make_sched()
+    a = s.schedule(req("a", 4), now=0.0)
+    b = s.schedule(req("b", 4), now=0.0)
+    assert {a.decode_node, b.decode_node} == {"d0", "d1"}  # spreads batch
+    assert a.predicted_tbt_s == pytest.approx(0.021)
+    s.decode["d0"].free_pages = 0
+    s.decode["d1"].free_pages = 0
+    r = s.schedule(req("c", 4), now=0.0)
+    assert isinstance(r, Rejection) and r.reason == "no_decode_capacity"
+
+
+def test_queue_accounting_and_feedback():
+    s = make_sched(policy="load_balance")
+    d = s.schedule(req("a", 4), now=0.0)
+    node = d.prefill_node
+    assert s.prefill[node].queue_time(0.0) == pytest.approx(1.024)
+    s.on_prefill_started(node, "a", 0.5)
+    assert s.prefill[node].queue_time(1.0) == pytest.approx(0.524)
+    s.on_prefill_finished(node, "a", now=2.0, actual_seconds=1.5)
+    assert s.prefill[node].queue_time(2.0) == 0.0
+    assert s.estimator_error()["mean_s"] == pytest.approx(1.024 - 2.0)
+    s.on_decode_finished(d.decode_node, "a", 3.0)
+    assert s.decode[d.decode_node].free_pages == 10_000
+    # reports replace our own accounting for work sent before them
+    s.schedule(req("b", 4), now=3.0)
+    s.on_node_report(node, NodeReport(at=4.0, queued_prefill_s=7.0), 4.0)
+    assert s.prefill[node].queue_time(5.0) == pytest.approx(6.0)
+
+
+def test_dead_node_is_skipped_and_unindexed():
+    s = make_sched(threshold=100.0)
+    s.on_events("p0", 0, range(100, 110), [])
+    s.mark_dead("p0")
+    d = s.schedule(req("r", 10), now=0.0)
+    assert d.prefill_node != "p0" and d.prefix_tokens == 0
+    assert s.index.holders(100) == []
+
+
+@pytest.mark.parametrize("name", ["random", "round_robin", "load_balance", "local_cache_aware",
+                                  "mooncake", "sglang_cache_aware", "dynamo_kv",
+                                  "llmd_weighted"])
+def test_every_policy_decides(name):
+    s = make_sched(policy=name)
+    s.on_events("p2", 0, range(100, 108), [])
+    d = s.schedule(req("r", 10), now=0.0)
+    assert isinstance(d, Decision) and d.policy == name
+    assert d.predicted_ttft_s == pytest.approx(d.t_queue + d.t_transfer + d.t_prefill)
+
+
+def test_round_robin_cycles():
+    s = make_sched(policy="round_robin")
+    nodes = [s.schedule(req(f"r{i}", 2), 0.0).prefill_node for i in range(6)]
+    assert nodes == ["p0", "p1", "p2"] * 2
+
+
+def test_sglang_rules():
+    s = make_sched(policy="sglang_cache_aware")
+    s.on_events("p1", 0, range(100, 104), [])  # 4/10 = 0.4 > 0.3: cache wins
+    assert s.schedule(req("a", 10), 0.0).prefill_node == "p1"
+    # below the 0.3 match threshold: least-cached worker (p0 or p2, not p1)
+    s2 = make_sched(policy="sglang_cache_aware")
+    s2.on_events("p1", 0, range(100, 102), [])
+    s2.on_events("p0", 0, range(500, 510), [])
+    assert s2.schedule(req("b", 10), 0.0).prefill_node == "p2"
+    # imbalance: p1 has > 64 outstanding more than others -> shortest queue
+    s3 = make_sched(policy="sglang_cache_aware")
+    s3.on_events("p1", 0, range(100, 110), [])
+    s3._outstanding.update({"p0": 70, "p1": 100, "p2": 5})
+    assert s3.schedule(req("c", 10), 0.0).prefill_node == "p2"
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="policy"):
+        make_policy("nope")
+    with pytest.raises(ValueError, match="block_keys"):
+        ScheduleRequest("x", (1, 2), 1000, 256)
+    with pytest.raises(ValueError, match="ttft_slo_s"):
+        SchedulerConfig(ttft_slo_s=0)
+    with pytest.raises(ValueError, match="kvcache_balancing_threshold"):
+        make_policy("mooncake", kvcache_balancing_threshold=0.5)
+    s = make_sched()
+    s.schedule(req("dup", 2), 0.0)
+    with pytest.raises(ValueError, match="already scheduled"):
+        s.schedule(req("dup", 2), 0.0)
+
+
+def test_no_prefill_nodes():
+    s = make_sched(n_prefill=0)
+    r = s.schedule(req("r", 2), 0.0)
+    assert isinstance(r, Rejection) and r.reason == "no_prefill_node"
+    assert math.isinf(r.predicted_ttft_s)

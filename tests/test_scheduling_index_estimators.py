@@ -1,0 +1,109 @@
+"""Global cache index events/gaps/resync and the estimator fits."""
+import random
+
+import pytest
+
+from roles.scheduling import (DecodeEstimator, FlopsPrefillEstimator, GlobalCacheIndex,
+                              ModelShape, PolynomialPrefillEstimator, TransferEstimator,
+                              fit_polynomial)
+
+
+def test_longest_prefix_per_node():
+    ix = GlobalCacheIndex()
+    ix.add("a", [1, 2, 3, 4])
+    ix.add("b", [1, 2])
+    ix.add("c", [2, 3, 4])  # no leading block: no prefix
+    ix.add("d", [1, 3, 4])  # hole at block 1: prefix is 1 block
+    assert ix.longest_prefix_per_node([1, 2, 3, 4, 5]) == {"a": 4, "b": 2, "d": 1}
+    assert ix.longest_prefix_per_node([9, 1]) == {}
+    assert ix.longest_prefix_per_node([]) == {}
+
+
+def test_prefix_matches_brute_force():
+    rng = random.Random(1)
+    ix = GlobalCacheIndex()
+    held = {}
+    for n in range(70):  # beyond one 64-bit word of slots
+        ks = {k for k in range(40) if rng.random() < 0.9}
+        held[f"n{n}"] = ks
+        ix.add(f"n{n}", ks)
+    keys = list(range(40))
+    want = {}
+    for n, ks in held.items():
+        i = 0
+        while i < len(keys) and keys[i] in ks:
+            i += 1
+        if i:
+            want[n] = i
+    assert ix.longest_prefix_per_node(keys) == want
+
+
+def test_events_gap_and_resync():
+    ix = GlobalCacheIndex()
+    assert ix.apply_events("a", 0, [1, 2, 3], [])
+    assert ix.apply_events("a", 1, [4], [2])
+    assert ix.holders(2) == [] and ix.holders(4) == ["a"]
+    assert ix.apply_events("a", 1, [99], [])  # duplicate batch: ignored
+    assert ix.holders(99) == []
+    assert not ix.apply_events("a", 5, [5], [])  # gap: applied, marked
+    assert "a" in ix.needs_resync and ix.holders(5) == ["a"]
+    ix.resync("a", [1, 7], next_seq=6)
+    assert ix.needs_resync == set()
+    assert sorted(k for k in (1, 3, 4, 5, 7) if ix.holders(k)) == [1, 7]
+    assert ix.blocks_on("a") == 2
+    assert ix.apply_events("a", 6, [8], [])
+
+
+def test_remove_node_frees_slot():
+    ix = GlobalCacheIndex()
+    ix.add("a", [1, 2])
+    ix.add("b", [1])
+    ix.remove_node("a")
+    assert ix.holders(1) == ["b"] and ix.holders(2) == [] and len(ix) == 1
+    ix.add("c", [2])  # reuses a's slot without inheriting its keys
+    assert ix.holders(1) == ["b"] and ix.holders(2) == ["c"]
+    assert ix.longest_prefix_per_node([1, 2]) == {"b": 1}
+
+
+def test_polynomial_fit_recovers_coefficients():
+    true = {"c0": 0.01, "n": 2e-4, "n2": 3e-9, "np": 1e-9, "p": 1e-6}
+    est = PolynomialPrefillEstimator(true)
+    samples = [(n, p, est.seconds(n + p, p)) for n in (100, 1000, 4000, 8000, 16000)
+               for p in (0, 2000, 8000)]
+    fit = fit_polynomial(samples)
+    for k, v in true.items():
+        assert fit[k] == pytest.approx(v, rel=1e-3, abs=1e-12)
+
+
+def test_online_refit_moves_towards_observations():
+    est = PolynomialPrefillEstimator({"n": 1e-3}, refit_every=8)
+    for n in range(1000, 20000, 1000):
+        est.observe(n, 0, 2e-3 * n)
+    assert est.seconds(10_000, 0) == pytest.approx(20.0, rel=1e-3)
+    with pytest.raises(ValueError, match="unknown terms"):
+        PolynomialPrefillEstimator({"n3": 1.0})
+
+
+def test_flops_estimator_matches_paper_formula():
+    shape = ModelShape()
+    est = FlopsPrefillEstimator(shape, gpu_flops=8 * 312e12, efficiency=1.0)
+    n, p = 8192, 4096
+    flops = 80 * (4 * (n * n - p * p) * 8192 + 22 * (n - p) * 8192 ** 2)
+    assert est.seconds(n, p) == pytest.approx(flops / (8 * 312e12))
+    assert shape.kv_bytes_per_token == 327_680
+    # 128k tokens of LLaMA3-70B KV ~ 40 GiB, as in the paper
+    assert 128 * 1024 * shape.kv_bytes_per_token / 2**30 == pytest.approx(40.0)
+
+
+def test_transfer_and_decode_estimators():
+    t = TransferEstimator(1e9, alpha=0.5)
+    assert t.seconds("a", 2e9, now=0.0) == pytest.approx(2.0)
+    assert t.reserve("a", 2e9, now=0.0) == pytest.approx(2.0)
+    assert t.seconds("a", 1e9, now=1.0) == pytest.approx(2.0)  # 1 s wait + 1 s
+    t.observe("a", 3e9, 1.0)  # measured 3 GB/s -> EWMA 2 GB/s
+    assert t.bw("a") == pytest.approx(2e9)
+    d = DecodeEstimator.from_hardware(ModelShape(), hbm_Bps=8 * 2.0e12, efficiency=1.0,
+                                      per_seq_s=0.0)
+    # weights 141 GB over 16 TB/s ~ 8.8 ms per step
+    assert d.seconds(1, 0) == pytest.approx(70.6e9 * 2 / 16e12)
+    assert d.seconds(0, 0) == 0.0

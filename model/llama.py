@@ -1,0 +1,159 @@
+"""The LLaMA forward pass, in plain torch functions over paged KV.
+
+KV lives in ``kv_pages[num_pages, num_layers, 2, block_size, kv_heads,
+head_dim]`` (the layout of kvstore/layout.py). The KV of token position
+``pos`` of a request is in page ``block_table[pos // block_size]``, slot
+``pos % block_size``. Attention writes the new tokens' K/V into their slots
+first and then reads the whole context ``[0, end)`` back from the pages, so a
+prefix that another node or the store put into pages is attended to in place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from model.config import ModelConfig
+from model.weights import LayerWeights
+
+# Called once a layer's K/V of the tokens being computed is in the pages.
+KVWrittenHook = Callable[[int], None]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in float32 whatever the compute dtype (as the reference does).
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class Rope:
+    """Rotary position embedding (half-split layout), with llama3 scaling."""
+
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
+        dim = config.head_dim
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        inv_freq = 1.0 / (config.rope_theta ** exponents)
+        if config.rope_scaling is not None and \
+                config.rope_scaling.get("rope_type", config.rope_scaling.get("type")) == "llama3":
+            inv_freq = _llama3_scale(inv_freq, config.rope_scaling)
+        self.inv_freq = inv_freq.to(device)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [len(positions), head_dim] for ``apply``."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [n, heads, head_dim]; cos/sin: [n, head_dim]."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    # Long wavelengths (beyond the original context) are slowed down by
+    # `factor`, short ones are kept, and the band between is interpolated
+    # linearly in 1/wavelength.
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_ctx = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return torch.where(medium, blended, scaled)
+
+
+def mlp(x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+    gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w.down)
+
+
+def _qkv(x: torch.Tensor, w: LayerWeights, c: ModelConfig, cos: torch.Tensor,
+         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Projections of n tokens: q [n, heads, hd], k and v [n, kv_heads, hd], RoPE applied."""
+    q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
+    n = x.shape[0]
+    q = Rope.apply(q.view(n, c.num_heads, c.head_dim), cos, sin)
+    k = Rope.apply(k.view(n, c.num_kv_heads, c.head_dim), cos, sin)
+    return q, k, v.view(n, c.num_kv_heads, c.head_dim)
+
+
+def write_kv(kv_pages: torch.Tensor, layer: int, pages: torch.Tensor, slots: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store K/V of n tokens ([n, kv_heads, hd]) at (pages[i], slots[i])."""
+    kv_pages[:, layer, 0][pages, slots] = k
+    kv_pages[:, layer, 1][pages, slots] = v
+
+
+def gather_kv(kv_pages: torch.Tensor, layer: int, block_table: torch.Tensor,
+              length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V of positions [0, length) of one request, each [kv_heads, length, hd]."""
+    block_size = kv_pages.shape[3]
+    num_blocks = -(-length // block_size)
+    g = kv_pages[block_table[:num_blocks], layer]  # [nb, 2, bs, kvh, hd]: a copy
+    kv = g.transpose(0, 1).reshape(2, num_blocks * block_size, *g.shape[-2:])[:, :length]
+    return kv[0].transpose(0, 1), kv[1].transpose(0, 1)
+
+
+def prefill_layer(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer: int,
+                  kv_pages: torch.Tensor, block_table: torch.Tensor, start: int,
+                  cos: torch.Tensor, sin: torch.Tensor, on_kv_written: KVWrittenHook | None
+                  ) -> torch.Tensor:
+    """One decoder layer over tokens [start, start + n) of one request.
+
+    x: [n, hidden] hidden states of those tokens. KV of [0, start) must already
+    be in the request's pages; this writes [start, start + n) and attends
+    each new token to every position up to and including itself.
+    """
+    n = x.shape[0]
+    end = start + n
+    block_size = kv_pages.shape[3]
+    q, k, v = _qkv(rms_norm(x, w.attn_norm, c.rms_eps), w, c, cos, sin)
+    pos = torch.arange(start, end, device=x.device)
+    write_kv(kv_pages, layer, block_table[pos // block_size], pos % block_size, k, v)
+    if on_kv_written is not None:
+        on_kv_written(layer)
+    keys, values = gather_kv(kv_pages, layer, block_table, end)
+    # Query i (position start + i) sees keys [0, start + i]: a causal mask
+    # aligned to the bottom-right corner of the [n, end] score matrix.
+    mask = causal_lower_right(n, end) if start else None
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+        is_causal=start == 0, enable_gqa=True)  # [1, heads, n, hd]
+    x = x + F.linear(out[0].transpose(0, 1).reshape(n, -1), w.o)
+    return x + mlp(rms_norm(x, w.mlp_norm, c.rms_eps), w)
+
+
+def decode_layer(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer: int,
+                 kv_pages: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor,
+                 valid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """One decoder layer for B requests, one new token each.
+
+    x: [B, hidden]; block_tables: [B, max_blocks] (padded with any valid page
+    id); positions: [B]; valid: [B, S] with S = max_blocks * block_size, True
+    at the key positions [0, positions[b]] each request may attend to.
+    """
+    bsz = x.shape[0]
+    block_size = kv_pages.shape[3]
+    q, k, v = _qkv(rms_norm(x, w.attn_norm, c.rms_eps), w, c, cos, sin)
+    page_of_token = block_tables.gather(1, (positions // block_size)[:, None])[:, 0]
+    write_kv(kv_pages, layer, page_of_token, positions % block_size, k, v)
+    g = kv_pages[block_tables, layer]  # [B, nb, 2, bs, kvh, hd]
+    kv = g.permute(2, 0, 4, 1, 3, 5).reshape(2, bsz, c.num_kv_heads, -1, c.head_dim)
+    # Slots past a request's end (stale pages, padding) may hold any bytes,
+    # even NaN patterns: zero them, since a masked NaN still poisons softmax@V.
+    kv = torch.where(valid[None, :, None, :, None], kv, 0)
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], kv[0], kv[1], attn_mask=valid[:, None, None, :],
+        enable_gqa=True)  # [B, heads, 1, hd]
+    x = x + F.linear(out.reshape(bsz, -1), w.o)
+    return x + mlp(rms_norm(x, w.mlp_norm, c.rms_eps), w)

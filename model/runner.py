@@ -1,0 +1,176 @@
+"""ModelRunner: incremental/chunked prefill and batched decode over KV pages.
+
+The runner owns no KV memory: it is handed a tensor view of the store shard's
+pages (``kv_pages_view``) and, per call, the block table (page ids) of each
+request. Every call runs synchronously on the caller's thread (torch releases
+the GIL inside its kernels), so a node calls it from a worker thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from kvstore.layout import PageLayout
+from model.config import RuntimeConfig, page_layout
+from model.llama import Rope, decode_layer, prefill_layer, rms_norm
+from model.weights import TORCH_DTYPES, ModelWeights, load_weights
+
+# layer_hook(chunk_start, chunk_end, layer): the KV of tokens [chunk_start,
+# chunk_end) of `layer` is now in the request's pages.
+LayerHook = Callable[[int, int, int], None]
+
+
+class DecodeSeq(NamedTuple):
+    token_id: int  # the last token, whose KV this step computes and stores
+    position: int  # its position: the request's KV in pages covers [0, position)
+    block_table: Sequence[int]  # page ids covering [0, position]
+
+
+def kv_pages_view(buffer, layout: PageLayout) -> torch.Tensor:
+    """A [num_pages, layers, 2, block_size, kv_heads, head_dim] tensor over a
+    writable buffer (the store shard's memory): no copy, writes go to it."""
+    num_pages = layout.num_pages_for(len(memoryview(buffer).cast("B")))
+    if num_pages == 0:
+        raise ValueError(f"buffer smaller than one page ({layout.page_bytes} bytes)")
+    flat = torch.frombuffer(buffer, dtype=TORCH_DTYPES[layout.dtype],
+                            count=num_pages * layout.page_bytes // layout.dtype_bytes)
+    return flat.view(num_pages, layout.num_layers, 2, layout.block_size,
+                     layout.num_kv_heads, layout.head_dim)
+
+
+def configure_torch(runtime: RuntimeConfig) -> None:
+    if runtime.torch_threads:
+        torch.set_num_threads(runtime.torch_threads)
+
+
+class ModelRunner:
+    def __init__(self, weights: ModelWeights, kv_pages: torch.Tensor) -> None:
+        c = weights.config
+        if not (weights.is_first_stage and weights.is_last_stage):
+            # A pipeline stage would take/return hidden states instead.
+            raise ValueError("ModelRunner needs all layers (layer-range stages not supported yet)")
+        expected = (c.num_layers, 2, None, c.num_kv_heads, c.head_dim)
+        shape = tuple(kv_pages.shape)
+        if len(shape) != 6 or any(e is not None and e != s for e, s in zip(expected, shape[1:])):
+            raise ValueError(f"kv_pages shape {shape} does not match the model: "
+                             f"[pages, {c.num_layers}, 2, block, {c.num_kv_heads}, {c.head_dim}]")
+        if kv_pages.dtype != weights.dtype or kv_pages.device != weights.device:
+            raise ValueError(f"kv_pages is {kv_pages.dtype} on {kv_pages.device}, weights are "
+                             f"{weights.dtype} on {weights.device}")
+        self.weights = weights
+        self.config = c
+        self.kv_pages = kv_pages
+        self.block_size = shape[3]
+        self.num_pages = shape[0]
+        self.device = weights.device
+        self.rope = Rope(c, self.device)
+
+    @classmethod
+    def from_config(cls, runtime: RuntimeConfig, kv_pages: torch.Tensor) -> "ModelRunner":
+        configure_torch(runtime)
+        return cls(load_weights(runtime), kv_pages)
+
+    def layout(self) -> PageLayout:
+        dtype = next(k for k, v in TORCH_DTYPES.items() if v == self.weights.dtype)
+        return page_layout(self.config, self.block_size, dtype)
+
+    def _check_tokens(self, token_ids: Sequence[int]) -> None:
+        vocab = self.config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {vocab}): {bad[:5]}")
+
+    def _block_table(self, block_table: Sequence[int], length: int) -> torch.Tensor:
+        need = -(-length // self.block_size)
+        if len(block_table) < need:
+            raise ValueError(f"block table has {len(block_table)} pages, {length} tokens "
+                             f"need {need} of {self.block_size} tokens")
+        table = list(block_table[:need])
+        if any(not 0 <= p < self.num_pages for p in table):
+            raise ValueError(f"page ids out of range [0, {self.num_pages}): {table}")
+        return torch.tensor(table, dtype=torch.long, device=self.device)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weights
+        return F.linear(rms_norm(x, w.norm, self.config.rms_eps), w.lm_head).float()
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: Sequence[int], block_table: Sequence[int],
+                num_cached_tokens: int, *, chunk_size: int | None = None,
+                layer_hook: LayerHook | None = None) -> torch.Tensor:
+        """Compute tokens [num_cached_tokens, len(token_ids)) of one request.
+
+        KV of [0, num_cached_tokens) must already be in the pages of
+        ``block_table`` (loaded from the store or a peer); the new tokens' KV is
+        written to their slots. With ``chunk_size``, the new tokens go through
+        the model in chunks whose boundaries fall on multiples of chunk_size
+        (page-aligned when chunk_size is a multiple of the block size).
+        Returns float32 logits [vocab] of the last token.
+        """
+        n = len(token_ids)
+        if not 0 <= num_cached_tokens < n:
+            raise ValueError(f"num_cached_tokens must be in [0, {n}) (at least the last token "
+                             f"is computed), got {num_cached_tokens}")
+        if chunk_size is not None and chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        if n > self.config.max_position:
+            raise ValueError(f"{n} tokens exceed max_position {self.config.max_position}")
+        self._check_tokens(token_ids)
+        table = self._block_table(block_table, n)
+        tokens = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        step = chunk_size or n
+        start = num_cached_tokens
+        x = None
+        while start < n:
+            end = min(n, (start // step + 1) * step)
+            x = self._prefill_chunk(tokens[start:end], table, start, layer_hook)
+            start = end
+        return self._logits(x[-1])
+
+    def _prefill_chunk(self, tokens: torch.Tensor, table: torch.Tensor, start: int,
+                       layer_hook: LayerHook | None) -> torch.Tensor:
+        w, c = self.weights, self.config
+        end = start + tokens.shape[0]
+        cos, sin = self.rope.cos_sin(torch.arange(start, end, device=self.device), w.dtype)
+        hook = None
+        if layer_hook is not None:
+            def hook(layer: int) -> None:
+                layer_hook(start, end, layer)
+        x = F.embedding(tokens, w.embed)
+        for i, lw in enumerate(w.layers):
+            x = prefill_layer(x, lw, c, w.first_layer + i, self.kv_pages, table, start,
+                              cos, sin, hook)
+        return x
+
+    @torch.inference_mode()
+    def decode_step(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
+        """One decode step for a continuous batch: float32 logits [B, vocab].
+
+        Each sequence's last token is run at its position, its KV written to
+        page ``block_table[position // block_size]``; sequences may have any
+        lengths and block tables, but no two may share a written slot.
+        """
+        if not seqs:
+            raise ValueError("decode_step needs at least one sequence")
+        w, c, bs = self.weights, self.config, self.block_size
+        self._check_tokens([s.token_id for s in seqs])
+        positions = [s.position for s in seqs]
+        if any(not 0 <= p < c.max_position for p in positions):
+            raise ValueError(f"positions must be in [0, {c.max_position}): {positions}")
+        tables = [self._block_table(s.block_table, s.position + 1) for s in seqs]
+        max_blocks = max(t.shape[0] for t in tables)
+        # Pad tables with their own first page: a valid id whose slots are masked.
+        padded = torch.stack([torch.cat([t, t[:1].expand(max_blocks - t.shape[0])])
+                              for t in tables])
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        valid = torch.arange(max_blocks * bs, device=self.device)[None, :] <= pos[:, None]
+        cos, sin = self.rope.cos_sin(pos, w.dtype)
+        x = F.embedding(torch.tensor([s.token_id for s in seqs], device=self.device), w.embed)
+        for i, lw in enumerate(w.layers):
+            x = decode_layer(x, lw, c, w.first_layer + i, self.kv_pages, padded, pos, valid,
+                             cos, sin)
+        return self._logits(x)

@@ -1,0 +1,697 @@
+"""One node's shard of the KV store: pages, key index, LRU, pins, tiers, events.
+
+Every page of the shard's buffer is in exactly one state at any time:
+
+* **free**     -- in ``_free``; holds nothing;
+* **private**  -- in ``_private``; handed out by :meth:`StoreShard.allocate` to a
+  caller that writes into it (a prefill computing new blocks, a decode node
+  receiving KV); never touched by the shard until :meth:`free` or
+  :meth:`publish`;
+* **cached**   -- holds the block of one key (``_blocks[key].page``).  A cached
+  block is either pinned (``pins > 0``: used by an in-flight request or
+  transfer; never evicted, never overwritten) or evictable, in which case its
+  key is in ``_lru`` (first = least recently used).
+
+Writes only ever go to free pages turned private (or written by ``put``
+before the key is published), so a cached block's bytes never change while
+it is cached.  The shard is not thread-safe: call it from one thread (the
+node's event loop); other threads may move bytes in and out of pages that
+they hold private or pinned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from kvstore.config import StoreConfig
+from kvstore.events import EventBatch, EventLog, Snapshot
+from kvstore.keys import token_bytes
+from kvstore.layout import PageLayout
+from kvstore.memory import ShardMemory
+from kvstore.ssd import SsdPool
+
+_U64_MAX = (1 << 64) - 1
+
+
+class StoreFullError(Exception):
+    """No page can be had: every page is private or holds a pinned block."""
+
+
+class BlockPinnedError(Exception):
+    """The block is pinned (in use) and cannot be removed."""
+
+
+class KeyCollisionError(Exception):
+    """Two different token blocks hashed to the same key."""
+
+
+class PublishResult(NamedTuple):
+    # The page that holds the key after the call.
+    page_id: int
+    # True: the given private page became the cached copy.  False: the key was
+    # already cached (at ``page_id``); the given page was left private (or
+    # freed when ``free_duplicate=True``).
+    stored: bool
+
+
+@dataclass(slots=True)
+class _Block:
+    key: int
+    page: int
+    size: int            # valid bytes at the start of the page
+    tokens: bytes | None  # the block's token ids (uint32 LE), the collision guard
+    pins: int = 0
+    replicas: int = 1
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    block_size: int
+    page_bytes: int
+    num_pages: int
+    capacity_bytes: int
+    used_bytes: int          # pages holding data: cached + private
+    free_pages: int
+    private_pages: int
+    cached_blocks: int       # in DRAM
+    pinned_blocks: int
+    evictable_blocks: int
+    hits: int                # get(): blocks found
+    misses: int              # get(): blocks not found
+    query_tokens: int        # acquire_prefix(): tokens asked for
+    hit_tokens: int          # acquire_prefix(): tokens served from the cache
+    stored_blocks: int       # blocks inserted (put/publish), duplicates excluded
+    evictions: int           # blocks pushed out of DRAM by LRU (demoted or dropped)
+    removed: int             # blocks removed on request
+    collisions: int          # key matches rejected by the token guard
+    ssd_blocks: int
+    ssd_capacity_blocks: int
+    demotions: int
+    promotions: int
+    ssd_drops: int           # blocks dropped from the SSD tier (gone from the node)
+
+    @property
+    def usage_ratio(self) -> float:
+        return self.used_bytes / self.capacity_bytes
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["usage_ratio"] = self.usage_ratio
+        return d
+
+
+def _check_key(key: int) -> None:
+    if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or not 0 <= key <= _U64_MAX:
+        raise ValueError(f"key must be an int in 0..2**64-1; got {key!r}")
+
+
+class StoreShard:
+    def __init__(self, config: StoreConfig, layout: PageLayout) -> None:
+        if layout.block_size != config.block_size:
+            raise ValueError(f"layout.block_size ({layout.block_size}) must equal "
+                             f"store.block_size ({config.block_size})")
+        num_pages = layout.num_pages_for(config.capacity_bytes)
+        if num_pages <= 0:
+            raise ValueError(f"store.capacity_bytes ({config.capacity_bytes}) is smaller than one "
+                             f"page ({layout.page_bytes} bytes)")
+        self.config = config
+        self.layout = layout
+        self.block_size = config.block_size
+        self.page_bytes = layout.page_bytes
+        self.num_pages = num_pages
+        self.memory = ShardMemory(layout, num_pages, prefault=config.prefault,
+                                  hugepages=config.hugepages)
+        # The whole buffer, writable: register it with the transfer engine as
+        # one region; the model runtime views it as a tensor (see memory.py).
+        self.buffer: memoryview = self.memory.buffer
+        # A stack: after start-up pages are handed out in ascending order.
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._private: set[int] = set()
+        self._blocks: dict[int, _Block] = {}
+        self._page_block: list[_Block | None] = [None] * num_pages
+        # Keys of unpinned cached blocks, least recently used first.
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self.events = EventLog(config.max_pending_events)
+        self._ssd = (SsdPool(config.ssd_path, self.page_bytes, config.ssd_capacity_bytes)
+                     if config.ssd_tier else None)
+        self._waiters: list[asyncio.Future[None]] = []
+        self._hits = self._misses = 0
+        self._query_tokens = self._hit_tokens = 0
+        self._stored = self._evictions = self._removed = self._collisions = 0
+        self._demotions = self._promotions = self._ssd_drops = 0
+        self.created_at = time.time()
+
+    # ------------------------------------------------------------------ pages
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free) + len(self._lru)
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` private pages, evicting LRU blocks as needed; all or nothing.
+
+        Raises StoreFullError (and evicts nothing) if fewer than ``n`` pages
+        are free or evictable."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be a non-negative int; got {n!r}")
+        pages = self._take_pages(n)
+        self._private.update(pages)
+        return pages
+
+    def free(self, page_ids: Iterable[int]) -> None:
+        """Return private pages to the free list; all or nothing."""
+        pages = list(page_ids)
+        if len(set(pages)) != len(pages):
+            raise ValueError("free(): duplicate page ids")
+        bad = [p for p in pages if p not in self._private]
+        if bad:
+            raise ValueError(f"free(): pages {bad[:8]} are not private (allocated and unpublished)")
+        for p in pages:
+            self._private.remove(p)
+            self._free.append(p)
+        if pages:
+            self._notify_space()
+
+    def publish(self, key: int, page_id: int, token_ids: Sequence[int] | np.ndarray | None = None,
+                *, size: int | None = None, pin: bool = False,
+                free_duplicate: bool = False) -> PublishResult:
+        """Turn a private page (already filled with the block's KV) into the
+        cached block of ``key``.
+
+        If ``key`` is already cached, that copy is kept (same key = same
+        prefix = same KV) and ``stored`` is False: the given page stays
+        private, because the caller may still be reading it (e.g. an
+        in-flight transfer), unless ``free_duplicate`` asks to free it now.
+        ``pin`` pins whichever page ends up holding the key."""
+        _check_key(key)
+        if page_id not in self._private:
+            raise ValueError(f"publish(): page {page_id} is not private (allocated and unpublished)")
+        tokens = self._block_tokens(token_ids)
+        nbytes = self.page_bytes if size is None else size
+        if not 0 < nbytes <= self.page_bytes:
+            raise ValueError(f"size must be in 1..{self.page_bytes}; got {size}")
+        existing = self._blocks.get(key)
+        if existing is not None:
+            self._guard(existing, tokens)
+            if pin:
+                self._pin(existing)
+            else:
+                self._touch(existing)
+            if free_duplicate:
+                self.free([page_id])
+            return PublishResult(existing.page, False)
+        self._drop_ssd_copy(key, tokens)
+        self._private.remove(page_id)
+        self._insert(key, page_id, nbytes, tokens, pin)
+        return PublishResult(page_id, True)
+
+    def page_view(self, page_id: int) -> memoryview:
+        """Writable view of a whole page (for private pages being filled)."""
+        return self.memory.page_view(page_id)
+
+    def page_of(self, key: int) -> int | None:
+        b = self._blocks.get(key)
+        return None if b is None else b.page
+
+    def key_of_page(self, page_id: int) -> int | None:
+        b = self._page_block[page_id]
+        return None if b is None else b.key
+
+    # ------------------------------------------------------------- object API
+
+    def put(self, key: int, data: object, token_ids: Sequence[int] | np.ndarray | None = None,
+            *, pin: bool = False) -> bool:
+        """Copy ``data`` (any contiguous buffer of at most one page) into a fresh
+        page and cache it under ``key``.  Returns False if the key was already
+        cached (nothing is written: a cached block is never overwritten).
+        Raises StoreFullError if no page is free or evictable."""
+        _check_key(key)
+        view = _flat_bytes(data)
+        if not 0 < view.nbytes <= self.page_bytes:
+            raise ValueError(f"data must be 1..{self.page_bytes} bytes; got {view.nbytes}")
+        tokens = self._block_tokens(token_ids)
+        existing = self._blocks.get(key)
+        if existing is not None:
+            self._guard(existing, tokens)
+            if pin:
+                self._pin(existing)
+            else:
+                self._touch(existing)
+            return False
+        self._drop_ssd_copy(key, tokens)
+        (page,) = self._take_pages(1)
+        self.memory.write(page, view)
+        self._insert(key, page, view.nbytes, tokens, pin)
+        return True
+
+    def get(self, key: int, *, pin: bool = False) -> memoryview | None:
+        """Zero-copy view of the block's bytes, or None on a miss.
+
+        The view aliases the shard buffer: it stays valid only while the
+        block is cached, so pass ``pin=True`` (and ``unpin(key)`` later) to
+        read it across an await."""
+        b = self._blocks.get(key)
+        if b is None:
+            b = self._promote(key)
+            if b is None:
+                self._misses += 1
+                return None
+        self._hits += 1
+        if pin:
+            self._pin(b)
+        else:
+            self._touch(b)
+        return self.memory.page_view(b.page, b.size)
+
+    def contains(self, key: int) -> bool:
+        """In any tier; does not count as a use."""
+        return key in self._blocks or (self._ssd is not None and key in self._ssd)
+
+    __contains__ = contains
+
+    def __len__(self) -> int:
+        """Blocks held in DRAM."""
+        return len(self._blocks)
+
+    def tier_of(self, key: int) -> str | None:
+        if key in self._blocks:
+            return "dram"
+        if self._ssd is not None and key in self._ssd:
+            return "ssd"
+        return None
+
+    def remove(self, key: int) -> bool:
+        """Drop a block from every tier.  Raises BlockPinnedError if pinned."""
+        b = self._blocks.get(key)
+        if b is not None:
+            if b.pins:
+                raise BlockPinnedError(f"block {key:#x} is pinned ({b.pins} references)")
+            del self._lru[key]
+            self._unlink(b)
+            self._free.append(b.page)
+            self._removed += 1
+            self.events.evicted(key)
+            self._notify_space()
+            return True
+        if self._ssd is not None and self._ssd.remove(key):
+            self._removed += 1
+            self.events.evicted(key)
+            return True
+        return False
+
+    def pin(self, key: int) -> int:
+        """Take a reference on a block (promoting it from SSD if needed);
+        returns its page.  KeyError if the shard does not hold it."""
+        b = self._blocks.get(key) or self._promote(key)
+        if b is None:
+            raise KeyError(f"block {key:#x} is not in the store")
+        self._pin(b)
+        return b.page
+
+    def unpin(self, key: int) -> None:
+        b = self._blocks.get(key)
+        if b is None:
+            raise KeyError(f"block {key:#x} is not in the store (was it pinned?)")
+        self._unpin(b)
+
+    def pins(self, key: int) -> int:
+        b = self._blocks.get(key)
+        return 0 if b is None else b.pins
+
+    def change_replica(self, key: int, n: int) -> int:
+        """Record the cluster-wide replica count the conductor wants for a key;
+        returns the previous value.  The shard only keeps and reports it."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"replica count must be an int >= 1; got {n!r}")
+        b = self._blocks.get(key)
+        if b is not None:
+            old, b.replicas = b.replicas, n
+            return old
+        if self._ssd is not None and key in self._ssd:
+            return self._ssd.set_replicas(key, n)
+        raise KeyError(f"block {key:#x} is not in the store")
+
+    def replicas(self, key: int) -> int:
+        b = self._blocks.get(key)
+        if b is not None:
+            return b.replicas
+        entry = self._ssd.peek(key) if self._ssd is not None else None
+        if entry is None:
+            raise KeyError(f"block {key:#x} is not in the store")
+        return entry.replicas
+
+    # --------------------------------------------------------------- prefixes
+
+    def match_prefix(self, keys: Sequence[int],
+                     token_ids: Sequence[int] | np.ndarray | None = None) -> int:
+        """Number of leading ``keys`` held (any tier); O(matched).  A pure
+        query: no LRU touch, no stats.  With ``token_ids`` (the prompt), each
+        matched block's tokens are also compared (collision guard)."""
+        if token_ids is not None:
+            return self._match_guarded(keys, token_ids)
+        blocks = self._blocks
+        ssd = self._ssd
+        n = 0
+        if ssd is None:
+            for k in keys:
+                if k not in blocks:
+                    break
+                n += 1
+        else:
+            for k in keys:
+                if k not in blocks and k not in ssd:
+                    break
+                n += 1
+        return n
+
+    def acquire_prefix(self, keys: Sequence[int],
+                       token_ids: Sequence[int] | np.ndarray | None = None) -> list[int]:
+        """Pin the longest cached prefix of ``keys`` and return its pages (in
+        order).  Blocks on SSD are promoted; the prefix stops where a block is
+        missing, fails the token guard or cannot be promoted.  Counts the
+        query and the hit in tokens.  Undo with ``release(keys[:len(pages)])``."""
+        prompt = self._prompt_bytes(keys, token_ids)
+        stride = 4 * self.block_size
+        pages: list[int] = []
+        for i, k in enumerate(keys):
+            b = self._blocks.get(k)
+            if b is None:
+                b = self._promote(k)
+                if b is None:
+                    break
+            if prompt is not None and b.tokens is not None \
+                    and prompt[i * stride:(i + 1) * stride] != b.tokens:
+                self._collisions += 1
+                break
+            self._pin(b)
+            pages.append(b.page)
+        self._query_tokens += len(token_ids) if token_ids is not None else len(keys) * self.block_size
+        self._hit_tokens += len(pages) * self.block_size
+        return pages
+
+    def release(self, keys: Sequence[int]) -> None:
+        """Unpin blocks taken by acquire_prefix/pin, last key first, so that a
+        request's tail becomes evictable before its head (shared prefixes
+        outlive their tails).  Checks every key before changing anything."""
+        blocks = [self._pinned_block(k) for k in keys]
+        self._check_unpin_counts(blocks)
+        for b in reversed(blocks):
+            self._unpin(b)
+
+    def release_pages(self, page_ids: Sequence[int]) -> None:
+        """Same as :meth:`release`, naming the blocks by page."""
+        blocks = []
+        for p in page_ids:
+            b = self._page_block[p] if 0 <= p < self.num_pages else None
+            if b is None or b.pins <= 0:
+                raise ValueError(f"release_pages(): page {p} holds no pinned block")
+            blocks.append(b)
+        self._check_unpin_counts(blocks)
+        for b in reversed(blocks):
+            self._unpin(b)
+
+    # ------------------------------------------------------------- async waits
+
+    async def allocate_wait(self, n: int, timeout_s: float | None = None) -> list[int]:
+        """Like allocate, but waits (at most ``timeout_s``, capped by
+        ``store.max_wait_s``) for pages to be released; then StoreFullError."""
+        if n > self.num_pages:
+            raise StoreFullError(f"cannot allocate {n} pages: the shard has {self.num_pages}")
+        await self._wait_for(lambda: self.can_allocate(n), timeout_s, f"{n} pages")
+        return self.allocate(n)
+
+    async def put_wait(self, key: int, data: object,
+                       token_ids: Sequence[int] | np.ndarray | None = None, *,
+                       pin: bool = False, timeout_s: float | None = None) -> bool:
+        """Like put, but waits (bounded like allocate_wait) for a page."""
+        if key not in self._blocks:
+            await self._wait_for(lambda: self.can_allocate(1), timeout_s, "1 page")
+        return self.put(key, data, token_ids, pin=pin)
+
+    async def _wait_for(self, ready, timeout_s: float | None, what: str) -> None:
+        limit = self.config.max_wait_s if timeout_s is None else min(timeout_s, self.config.max_wait_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
+        while not ready():
+            left = deadline - loop.time()
+            if left <= 0:
+                raise StoreFullError(f"no space for {what} after waiting {limit:.3g} s "
+                                     f"({self._occupancy()})")
+            fut: asyncio.Future[None] = loop.create_future()
+            self._waiters.append(fut)
+            try:
+                await asyncio.wait_for(fut, left)
+            except asyncio.TimeoutError:
+                pass
+
+    def _notify_space(self) -> None:
+        if self._waiters:
+            waiters, self._waiters = self._waiters, []
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)
+
+    # ------------------------------------------------------- events and stats
+
+    def drain_events(self) -> EventBatch | None:
+        return self.events.drain()
+
+    def snapshot(self) -> Snapshot:
+        """Every key held (any tier), at the current event seq (see events.py)."""
+        keys = list(self._blocks)
+        if self._ssd is not None:
+            keys.extend(self._ssd.keys())
+        return self.events.snapshot(keys)
+
+    def lru_keys(self) -> list[int]:
+        """Evictable keys, next to be evicted first."""
+        return list(self._lru)
+
+    def stats(self) -> StoreStats:
+        pinned = len(self._blocks) - len(self._lru)
+        used_pages = self.num_pages - len(self._free)
+        ssd = self._ssd
+        return StoreStats(
+            block_size=self.block_size, page_bytes=self.page_bytes, num_pages=self.num_pages,
+            capacity_bytes=self.num_pages * self.page_bytes, used_bytes=used_pages * self.page_bytes,
+            free_pages=len(self._free), private_pages=len(self._private),
+            cached_blocks=len(self._blocks), pinned_blocks=pinned, evictable_blocks=len(self._lru),
+            hits=self._hits, misses=self._misses, query_tokens=self._query_tokens,
+            hit_tokens=self._hit_tokens, stored_blocks=self._stored, evictions=self._evictions,
+            removed=self._removed, collisions=self._collisions,
+            ssd_blocks=len(ssd) if ssd is not None else 0,
+            ssd_capacity_blocks=ssd.num_slots if ssd is not None else 0,
+            demotions=self._demotions, promotions=self._promotions, ssd_drops=self._ssd_drops)
+
+    def check_integrity(self) -> None:
+        """Assert the invariants of the module docstring (used by the tests)."""
+        free, private = self._free, self._private
+        assert len(set(free)) == len(free), "a page is twice on the free list"
+        assert not set(free) & private, "a page is both free and private"
+        cached_pages = {b.page for b in self._blocks.values()}
+        assert len(cached_pages) == len(self._blocks), "two blocks share a page"
+        assert not cached_pages & (set(free) | private), "a cached page is also free or private"
+        assert len(free) + len(private) + len(cached_pages) == self.num_pages, "a page is lost"
+        for page, b in enumerate(self._page_block):
+            if b is None:
+                assert page not in cached_pages, f"page {page} is cached but unmapped"
+            else:
+                assert self._blocks.get(b.key) is b and b.page == page, f"page {page} maps a stale block"
+        for key, b in self._blocks.items():
+            assert b.key == key and b.pins >= 0 and b.replicas >= 1
+            assert 0 < b.size <= self.page_bytes
+            assert (key in self._lru) == (b.pins == 0), f"block {key:#x}: LRU membership != unpinned"
+        assert len(self._lru) == sum(1 for b in self._blocks.values() if b.pins == 0)
+        if self._ssd is not None:
+            self._ssd.check_integrity()
+            assert not set(self._ssd.keys()) & set(self._blocks), "a key is in both tiers"
+
+    def close(self) -> None:
+        for fut in self._waiters:
+            fut.cancel()
+        self._waiters = []
+        if self._ssd is not None:
+            self._ssd.close()
+        self.memory.close()
+
+    # --------------------------------------------------------------- internals
+
+    def _occupancy(self) -> str:
+        return (f"{self.num_pages} pages: {len(self._free)} free, {len(self._private)} private, "
+                f"{len(self._blocks) - len(self._lru)} pinned, {len(self._lru)} evictable")
+
+    def _take_pages(self, n: int) -> list[int]:
+        """``n`` pages off the free list, evicting LRU blocks first if needed."""
+        short = n - len(self._free)
+        if short > len(self._lru):
+            raise StoreFullError(f"cannot allocate {n} pages ({self._occupancy()})")
+        for _ in range(short):
+            self._evict_lru()
+        return [self._free.pop() for _ in range(n)]
+
+    def _evict_lru(self) -> None:
+        key, _ = self._lru.popitem(last=False)
+        b = self._blocks[key]
+        self._unlink(b)
+        self._evictions += 1
+        if self._ssd is not None:
+            dropped = self._ssd.put(key, self.memory.page_view(b.page, b.size), b.tokens, b.replicas)
+            if dropped is None:  # no SSD slot at all: the block is gone
+                self._ssd_drops += 1
+                self.events.evicted(key)
+            else:
+                self._demotions += 1
+                for k in dropped:
+                    self._ssd_drops += 1
+                    self.events.evicted(k)
+        else:
+            self.events.evicted(key)
+        self._free.append(b.page)
+
+    def _promote(self, key: int) -> _Block | None:
+        """Bring a block back from SSD into a fresh page; None if not on SSD or
+        no page can be had (the SSD copy is then kept)."""
+        ssd = self._ssd
+        if ssd is None:
+            return None
+        entry = ssd.take(key)
+        if entry is None:
+            return None
+        try:
+            (page,) = self._take_pages(1)
+        except StoreFullError:
+            ssd.untake(key, entry)
+            return None
+        try:
+            ssd.read_into(entry, self.memory.page_view(page))
+        except OSError:
+            self._free.append(page)
+            ssd.release_slot(entry.slot)
+            self._ssd_drops += 1
+            self.events.evicted(key)
+            raise
+        ssd.release_slot(entry.slot)
+        self._promotions += 1
+        b = _Block(key, page, entry.size, entry.tokens, 0, entry.replicas)
+        self._blocks[key] = b
+        self._page_block[page] = b
+        self._lru[key] = None
+        return b
+
+    def _drop_ssd_copy(self, key: int, tokens: bytes | None) -> None:
+        """Before caching ``key`` in DRAM, forget an SSD copy (after the guard)."""
+        if self._ssd is None:
+            return
+        entry = self._ssd.peek(key)
+        if entry is None:
+            return
+        if tokens is not None and entry.tokens is not None and tokens != entry.tokens:
+            self._collisions += 1
+            raise KeyCollisionError(f"key {key:#x} is cached (on SSD) for different tokens")
+        self._ssd.remove(key)
+
+    def _insert(self, key: int, page: int, size: int, tokens: bytes | None, pin: bool) -> None:
+        b = _Block(key, page, size, tokens, 1 if pin else 0)
+        self._blocks[key] = b
+        self._page_block[page] = b
+        if not pin:
+            self._lru[key] = None
+        self._stored += 1
+        self.events.stored(key)
+
+    def _unlink(self, b: _Block) -> None:
+        del self._blocks[b.key]
+        self._page_block[b.page] = None
+
+    def _touch(self, b: _Block) -> None:
+        if b.pins == 0:
+            self._lru.move_to_end(b.key)
+
+    def _pin(self, b: _Block) -> None:
+        if b.pins == 0:
+            del self._lru[b.key]
+        b.pins += 1
+
+    def _unpin(self, b: _Block) -> None:
+        if b.pins <= 0:
+            raise ValueError(f"block {b.key:#x} is not pinned")
+        b.pins -= 1
+        if b.pins == 0:
+            self._lru[b.key] = None  # most recently used
+            self._notify_space()
+
+    def _pinned_block(self, key: int) -> _Block:
+        b = self._blocks.get(key)
+        if b is None or b.pins <= 0:
+            raise ValueError(f"release(): block {key:#x} is not pinned in this shard")
+        return b
+
+    @staticmethod
+    def _check_unpin_counts(blocks: list[_Block]) -> None:
+        counts: dict[int, int] = {}
+        for b in blocks:
+            counts[b.key] = counts.get(b.key, 0) + 1
+            if counts[b.key] > b.pins:
+                raise ValueError(f"release(): block {b.key:#x} released more often than pinned")
+
+    def _guard(self, b: _Block, tokens: bytes | None) -> None:
+        if tokens is None:
+            return
+        if b.tokens is None:
+            b.tokens = tokens  # first caller to know the tokens arms the guard
+        elif b.tokens != tokens:
+            self._collisions += 1
+            raise KeyCollisionError(f"key {b.key:#x} is cached for different tokens")
+
+    def _block_tokens(self, token_ids: Sequence[int] | np.ndarray | None) -> bytes | None:
+        if token_ids is None:
+            return None
+        data = token_bytes(token_ids)
+        if len(data) != 4 * self.block_size:
+            raise ValueError(f"token_ids must hold one block ({self.block_size} tokens); "
+                             f"got {len(data) // 4}")
+        return data
+
+    def _prompt_bytes(self, keys: Sequence[int],
+                      token_ids: Sequence[int] | np.ndarray | None) -> bytes | None:
+        if token_ids is None:
+            return None
+        data = token_bytes(token_ids)
+        if len(data) < 4 * self.block_size * len(keys):
+            raise ValueError(f"token_ids ({len(data) // 4} tokens) is shorter than "
+                             f"{len(keys)} blocks of {self.block_size}")
+        return data
+
+    def _match_guarded(self, keys: Sequence[int], token_ids: Sequence[int] | np.ndarray) -> int:
+        prompt = self._prompt_bytes(keys, token_ids)
+        assert prompt is not None
+        stride = 4 * self.block_size
+        n = 0
+        for i, k in enumerate(keys):
+            b = self._blocks.get(k)
+            if b is not None:
+                tokens = b.tokens
+            elif self._ssd is not None and (entry := self._ssd.peek(k)) is not None:
+                tokens = entry.tokens
+            else:
+                break
+            if tokens is not None and prompt[i * stride:(i + 1) * stride] != tokens:
+                break
+            n += 1
+        return n
+
+
+def _flat_bytes(data: object) -> memoryview:
+    try:
+        view = memoryview(data)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"data must support the buffer protocol; got {type(data).__name__}") from None
+    if not view.c_contiguous:
+        raise ValueError("data must be a C-contiguous buffer")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view

@@ -1,0 +1,87 @@
+"""The one binary: ``mooncaked --role conductor|prefill|decode`` runs a node;
+subcommands run a local cluster (``up``), benchmarks, the simulator and tools."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import typer
+
+from mooncaked import __version__
+
+app = typer.Typer(
+    add_completion=False, no_args_is_help=False, rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    help=("Mooncake-style disaggregated LLM serving. Run one node per process with "
+          "--role, or a whole local cluster with `mooncaked up`."))
+
+
+def fail(message: str, code: int = 2) -> "typer.Exit":
+    typer.echo(f"mooncaked: {message}", err=True)
+    return typer.Exit(code)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"mooncaked {__version__}")
+        raise typer.Exit()
+
+
+@app.callback(invoke_without_command=True)
+def node(
+    context: typer.Context,
+    role: Optional[str] = typer.Option(
+        None, "--role", help="Run a node of this role: conductor, prefill, decode or colocated."),
+    config: Optional[str] = typer.Option(
+        None, "--config", "-c", help="TOML config file (see etc/mooncaked.toml)."),
+    host: Optional[str] = typer.Option(None, "--host", help="Address to listen on [node.host]."),
+    port: Optional[int] = typer.Option(None, "--port", help="Port to listen on, 0 = any free [node.port]."),
+    conductor: Optional[str] = typer.Option(
+        None, "--conductor", help="Conductor URL for prefill/decode nodes [node.conductor_url]."),
+    model: Optional[str] = typer.Option(None, "--model", help="dummy, a named dummy config or a checkpoint dir [model.model]."),
+    node_id: Optional[str] = typer.Option(None, "--node-id", help="Name to register under [node.node_id]."),
+    overrides: list[str] = typer.Option(
+        [], "--set", help="Override any config key: --set store.block_size=128 (repeatable)."),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """Run one node. Config precedence: defaults < --config file < MOONCAKED_<SECTION>__<KEY>
+    environment variables < --set < dedicated flags."""
+    if context.invoked_subcommand is not None:
+        if role is not None:
+            raise fail("--role runs a node; it cannot be combined with a subcommand")
+        return
+    if role is None:
+        typer.echo(context.get_help())
+        raise typer.Exit(0)
+    from mooncaked.config import ConfigError, load_config
+    from mooncaked.logs import setup_logging
+    from mooncaked.runtime import StartupError, run_node
+
+    try:
+        cfg = load_config(config_file=config, overrides=overrides, flags={
+            "node.role": role, "node.host": host, "node.port": port,
+            "node.conductor_url": conductor, "node.node_id": node_id, "model.model": model})
+    except ConfigError as exc:
+        raise fail(str(exc)) from None
+    setup_logging(cfg.node.log_level, cfg.node.role)
+    try:
+        code = run_node(cfg)
+    except StartupError as exc:
+        raise fail(str(exc), code=1) from None
+    raise typer.Exit(code)
+
+
+def _register_subcommands() -> None:
+    from mooncaked import launcher
+    launcher.register(app)
+
+
+def main() -> None:
+    _register_subcommands()
+    app(prog_name="mooncaked")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""What every node's HTTP handlers share: config, lifecycle flags, metrics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Gauge, Info
+from prometheus_client import ProcessCollector, PlatformCollector
+
+from mooncaked import __version__
+from mooncaked.config import NodeConfig
+
+
+@dataclass
+class NodeContext:
+    config: NodeConfig
+    # Base URL other nodes use to reach this one ("http://host:port"); set
+    # once the listening socket is bound, before any role starts.
+    url: str = ""
+    started_at: float = field(default_factory=time.time)
+    started_monotonic: float = field(default_factory=time.monotonic)
+    # ready: resources are up and the node takes new work.
+    # draining: an operator or a shutdown asked it to stop taking new work.
+    ready: bool = False
+    draining: bool = False
+    metrics: CollectorRegistry = field(default_factory=lambda: CollectorRegistry(auto_describe=True))
+    # Sections that roles add to /admin/status: name -> () -> JSON-able.
+    status_providers: dict[str, Callable[[], Any]] = field(default_factory=dict)
+    # What this node reports in heartbeats: () -> dict.
+    load_providers: list[Callable[[], dict[str, Any]]] = field(default_factory=list)
+    # Capacity announced at registration (merged dicts).
+    capacity: dict[str, Any] = field(default_factory=dict)
+    # Transfer-engine segment descriptor announced at registration.
+    transfer_descriptor: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        ProcessCollector(registry=self.metrics)
+        PlatformCollector(registry=self.metrics)
+        Info("mooncaked_node", "Node identity", registry=self.metrics).info(
+            {"role": self.config.node.role, "version": __version__})
+        up = Gauge("mooncaked_node_ready", "1 when the node takes new work", registry=self.metrics)
+        up.set_function(lambda: 1.0 if self.taking_work else 0.0)
+
+    @property
+    def role(self) -> str:
+        return self.config.node.role
+
+    @property
+    def node_id(self) -> str:
+        return self.config.node.node_id or f"{self.role}-{self.url.removeprefix('http://')}"
+
+    @property
+    def taking_work(self) -> bool:
+        return self.ready and not self.draining
+
+    def uptime_s(self) -> float:
+        return time.monotonic() - self.started_monotonic
+
+    def load(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for provider in self.load_providers:
+            out.update(provider())
+        out["draining"] = self.draining
+        return out
+
+    def registration(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "role": self.role, "url": self.url,
+                "capacity": self.capacity, "transfer": self.transfer_descriptor,
+                "load": self.load()}
+
+
+CTX = web.AppKey("ctx", NodeContext)

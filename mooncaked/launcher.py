@@ -1,0 +1,221 @@
+"""``mooncaked up``: a whole cluster on this machine, one process per node.
+
+Starts one conductor, then N prefill and M decode nodes of this same binary on
+free loopback ports, forwards ``--model``/``--config``/``--set`` to each, waits
+until every node is ready and registered, prints the API URL and tears the
+cluster down on Ctrl-C/SIGTERM (workers first, then the conductor; SIGKILL
+after a grace period).  Children also get PR_SET_PDEATHSIG, so a launcher
+killed with -9 does not leave orphans behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it when the launcher dies."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    PR_SET_PDEATHSIG = 1
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def http_json(url: str, timeout: float = 2.0) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        return exc.code, {}
+
+
+@dataclass
+class Child:
+    name: str
+    role: str
+    port: int
+    log_path: Path
+    proc: subprocess.Popen
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@dataclass
+class LocalCluster:
+    prefill: int = 2
+    decode: int = 1
+    model: Optional[str] = None
+    config: Optional[str] = None
+    overrides: list[str] = field(default_factory=list)
+    port: int = 0
+    log_dir: Optional[Path] = None
+    role_of_workers: tuple[str, str] = ("prefill", "decode")
+    children: list[Child] = field(default_factory=list)
+
+    @property
+    def conductor(self) -> Child:
+        return self.children[0]
+
+    @property
+    def url(self) -> str:
+        return self.conductor.url
+
+    def _spawn(self, name: str, role: str, extra: list[str], port: int = 0) -> Child:
+        assert self.log_dir is not None
+        port = port or free_port()
+        cmd = [sys.executable, "-m", "mooncaked.cli", "--role", role, "--host", "127.0.0.1",
+               "--port", str(port), "--node-id", name]
+        if self.model:
+            cmd += ["--model", self.model]
+        if self.config:
+            cmd += ["--config", self.config]
+        for item in self.overrides:
+            cmd += ["--set", item]
+        cmd += extra
+        log_path = self.log_dir / f"{name}.log"
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True,
+                                    preexec_fn=_die_with_parent)
+        child = Child(name, role, port, log_path, proc)
+        self.children.append(child)
+        return child
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        if self.log_dir is None:
+            self.log_dir = Path(tempfile.mkdtemp(prefix="mooncaked-up-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._spawn("conductor", "conductor", [], port=self.port)
+        deadline = time.monotonic() + timeout_s
+        self._wait_ready(self.conductor, deadline)
+        worker_roles = []
+        for i in range(self.prefill):
+            worker_roles.append((f"{self.role_of_workers[0]}-{i}", self.role_of_workers[0]))
+        for i in range(self.decode):
+            worker_roles.append((f"decode-{i}", "decode"))
+        for name, role in worker_roles:
+            self._spawn(name, role, ["--conductor", self.url])
+        for child in self.children[1:]:
+            self._wait_ready(child, deadline)
+        self._wait_registered(deadline)
+
+    def _check_alive(self, child: Child) -> None:
+        code = child.proc.poll()
+        if code is not None:
+            tail = child.log_path.read_text(errors="replace").strip().splitlines()[-5:]
+            raise RuntimeError(f"{child.name} exited with code {code} during start-up:\n  "
+                               + "\n  ".join(tail))
+
+    def _wait_ready(self, child: Child, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            self._check_alive(child)
+            try:
+                status, _ = http_json(child.url + "/readyz", timeout=1.0)
+                if status == 200:
+                    return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"{child.name} not ready in time (log: {child.log_path})")
+
+    def _wait_registered(self, deadline: float) -> None:
+        expected = {c.name for c in self.children[1:]}
+        while time.monotonic() < deadline:
+            _, status = http_json(self.url + "/admin/status")
+            if expected <= {p["node_id"] for p in status.get("peers", [])}:
+                return
+            time.sleep(0.1)
+        raise RuntimeError("not every node registered with the conductor in time")
+
+    def dead_children(self) -> list[Child]:
+        return [c for c in self.children if c.proc.poll() is not None]
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """Workers first (they deregister), then the conductor; SIGKILL stragglers."""
+        for group in (self.children[1:], self.children[:1]):
+            for child in group:
+                if child.proc.poll() is None:
+                    child.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for child in group:
+                try:
+                    child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    child.proc.kill()
+                    child.proc.wait()
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("up")
+    def up(
+        prefill: int = typer.Option(2, "--prefill", min=0, help="Number of prefill nodes."),
+        decode: int = typer.Option(1, "--decode", min=0, help="Number of decode nodes."),
+        colocated: int = typer.Option(0, "--colocated", min=0,
+                                      help="Run N colocated nodes (prefill+decode in one) instead."),
+        model: Optional[str] = typer.Option(None, "--model", help="dummy (default), a named dummy config or a checkpoint dir."),
+        config: Optional[str] = typer.Option(None, "--config", "-c", help="TOML config passed to every node."),
+        overrides: list[str] = typer.Option([], "--set", help="Config override passed to every node (repeatable)."),
+        port: int = typer.Option(0, "--port", help="Conductor API port (0 = any free port)."),
+        log_dir: Optional[Path] = typer.Option(None, "--log-dir", help="Where node logs go (default: a temp dir)."),
+        demo: bool = typer.Option(False, "--demo", help="Send demo requests sharing prefixes, print TTFT with and without reuse, then exit."),
+    ) -> None:
+        """Run a local cluster: one conductor plus prefill and decode nodes on loopback."""
+        cluster = LocalCluster(prefill=prefill if not colocated else colocated,
+                               decode=decode if not colocated else 0, model=model, config=config,
+                               overrides=list(overrides), port=port, log_dir=log_dir)
+        if colocated:
+            cluster.role_of_workers = ("colocated", "decode")
+        stop_requested = []
+
+        def on_signal(signum, frame):  # noqa: ARG001
+            stop_requested.append(signum)
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, on_signal)
+        code = 0
+        try:
+            typer.echo(f"starting local cluster (logs in {cluster.log_dir or 'a temp dir'}) ...", err=True)
+            cluster.start()
+            typer.echo(f"cluster ready: {len(cluster.children) - 1} nodes, logs in {cluster.log_dir}", err=True)
+            typer.echo(f"API: {cluster.url}")
+            sys.stdout.flush()
+            if demo:
+                from mooncaked.demo import run_demo
+                run_demo(cluster.url)
+            else:
+                while True:
+                    time.sleep(0.5)
+                    for child in cluster.dead_children():
+                        raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} "
+                                           f"(log: {child.log_path})")
+        except KeyboardInterrupt:
+            typer.echo("stopping cluster ...", err=True)
+        except RuntimeError as exc:
+            typer.echo(f"mooncaked up: {exc}", err=True)
+            code = 1
+        finally:
+            cluster.stop()
+        typer.echo("cluster stopped", err=True)
+        raise typer.Exit(code)

@@ -1,0 +1,98 @@
+"""The node process: bind, start the role, serve, shut down gracefully.
+
+Lifecycle (every role):
+ 1. bind the listening socket first, so the real port (``--port 0``) is known
+    before the role registers itself anywhere;
+ 2. ``runner.setup()`` enters the role's ``cleanup_ctx`` resources in order
+    (store shard, transfer engine, model, membership registration last);
+ 3. serve; mark ready; tell systemd READY=1;
+ 4. on SIGTERM/SIGINT: stop taking work, tell systemd STOPPING=1, then
+    ``runner.cleanup()`` stops accepting connections, gives in-flight handlers
+    ``shutdown_timeout_s`` and closes every resource in reverse order; exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+
+from aiohttp import web
+
+from mooncaked.admin import add_admin_routes
+from mooncaked.config import NodeConfig
+from mooncaked.context import CTX, NodeContext
+from mooncaked.errors import error_middleware
+from mooncaked.sdnotify import notify
+
+log = logging.getLogger("mooncaked.runtime")
+
+
+class StartupError(Exception):
+    """A start-up failure to report as one line (e.g. conductor unreachable)."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+def build_app(ctx: NodeContext) -> web.Application:
+    from roles import setup_role  # roles import heavy deps (torch) only when needed
+
+    max_body = ctx.config.conductor.max_request_bytes
+    app = web.Application(middlewares=[error_middleware], client_max_size=max_body)
+    app[CTX] = ctx
+    add_admin_routes(app)
+    setup_role(app, ctx)
+    return app
+
+
+async def serve(config: NodeConfig) -> int:
+    ctx = NodeContext(config=config)
+    sock = bind_socket(config.node.host, config.node.port)
+    host, port = sock.getsockname()[:2]
+    ctx.url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+    app = build_app(ctx)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None,
+                           shutdown_timeout=config.node.shutdown_timeout_s)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await runner.setup()
+    except StartupError:
+        await app.cleanup()
+        sock.close()
+        raise
+    site = web.SockSite(runner, sock)
+    await site.start()
+    ctx.ready = True
+    notify("READY=1")
+    log.info("%s %s serving on %s", ctx.role, ctx.node_id, ctx.url)
+    await stop.wait()
+    log.info("shutting down: no new work, %gs for in-flight work", config.node.shutdown_timeout_s)
+    ctx.draining = True
+    notify("STOPPING=1")
+    await runner.cleanup()
+    log.info("stopped cleanly")
+    return 0
+
+
+def run_node(config: NodeConfig) -> int:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; keep running without it
+        return asyncio.run(serve(config))
+    return uvloop.run(serve(config))

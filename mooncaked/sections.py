@@ -1,0 +1,83 @@
+"""Config sections owned by the node runtime itself (node, conductor).
+
+Each component package owns its own section dataclass (``kvstore.config``,
+``rdma.config``, ``model.config``); ``mooncaked.config`` composes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ROLES = ("conductor", "prefill", "decode", "colocated")
+
+
+@dataclass
+class NodeSection:
+    """Process-level settings shared by every role."""
+
+    role: str = "conductor"
+    # Everything binds to loopback unless the operator says otherwise.
+    host: str = "127.0.0.1"
+    # 0 picks a free port (the bound port is what gets registered).
+    port: int = 8000
+    # Name under which this node registers; "" = "<role>-<host>:<port>".
+    node_id: str = ""
+    # Where prefill/decode nodes register; unused by the conductor itself.
+    conductor_url: str = "http://127.0.0.1:8000"
+    # Bearer token for admin endpoints that change state; "" disables them.
+    admin_token: str = ""
+    # Shared secret for node <-> conductor internal calls; "" = trust loopback.
+    cluster_token: str = ""
+    heartbeat_interval_s: float = 1.0
+    # A node missing heartbeats for this long is marked dead by the conductor.
+    heartbeat_timeout_s: float = 5.0
+    # How long a node keeps retrying to reach the conductor at start-up.
+    conductor_connect_timeout_s: float = 15.0
+    # Graceful shutdown: in-flight work gets this long before it is failed.
+    shutdown_timeout_s: float = 10.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"node.role must be one of {', '.join(ROLES)}; got {self.role!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"node.port must be in 0..65535; got {self.port}")
+        if not self.conductor_url.startswith(("http://", "https://")):
+            raise ValueError(f"node.conductor_url must be an http(s) URL; got {self.conductor_url!r}")
+        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "conductor_connect_timeout_s",
+                     "shutdown_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"node.{name} must be positive; got {getattr(self, name)}")
+        if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
+            raise ValueError("node.heartbeat_timeout_s must be at least twice node.heartbeat_interval_s")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ValueError(f"node.log_level must be debug|info|warning|error; got {self.log_level!r}")
+
+
+@dataclass
+class ConductorSection:
+    """The global scheduler and the OpenAI-compatible front end."""
+
+    # random | round_robin | load_balance | local_cache_aware | mooncake
+    policy: str = "mooncake"
+    ttft_slo_s: float = 30.0
+    tbt_slo_ms: float = 200.0
+    # Fetch a remote prefix only when best_len / local_len exceeds this ratio.
+    kvcache_balancing_threshold: float = 1.5
+    # Largest prompt accepted, in tokens (413 above).
+    max_prompt_tokens: int = 32768
+    # Largest request body accepted, in bytes (413 above).
+    max_request_bytes: int = 8 * 1024 * 1024
+    max_tokens_default: int = 128
+    # Name reported by /v1/models; "" = the model spec's name.
+    served_model_name: str = ""
+    # Optional prefill-time polynomial (output of `mooncaked profile`).
+    prefill_profile: str = ""
+
+    def __post_init__(self) -> None:
+        if self.ttft_slo_s <= 0 or self.tbt_slo_ms <= 0:
+            raise ValueError("conductor.ttft_slo_s and conductor.tbt_slo_ms must be positive")
+        if self.kvcache_balancing_threshold < 1.0:
+            raise ValueError("conductor.kvcache_balancing_threshold must be >= 1.0")
+        if self.max_prompt_tokens <= 0 or self.max_request_bytes <= 0 or self.max_tokens_default <= 0:
+            raise ValueError("conductor limits must be positive")

@@ -1,0 +1,1 @@
+"""The conductor: OpenAI-compatible front end and global scheduler."""

@@ -1,0 +1,1 @@
+"""Decode role: KV reception, continuous batching, token streaming."""

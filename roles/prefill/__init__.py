@@ -1,0 +1,1 @@
+"""Prefill role: prefix reuse, incremental prefill, layer-wise KV streaming."""

@@ -1,0 +1,83 @@
+"""A transfer-engine peer in its own process, driven over stdin/stdout.
+
+Used by the tests and the benchmark to get a real second process:
+
+    python -m rdma.peer --name B --size 1048576 [--nics a,b] [--token T]
+
+prints its segment descriptor as one JSON line, then answers commands,
+one per line, with one JSON line each:
+
+    fill SEED              fill the region with deterministic bytes
+    sha OFFSET LENGTH      sha256 of a range of the region
+    stats                  engine stats
+    quit                   exit
+
+It exits when stdin closes, so a killed parent leaves no orphan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import sys
+
+from .config import TransferConfig
+from .engine import TransferEngine
+
+
+def pattern(seed: int, n: int) -> bytes:
+    """Deterministic, position-dependent bytes (a hash chain; cheap for MBs)."""
+    out = bytearray()
+    block, i = b"", 0
+    while len(out) < n:
+        block = hashlib.sha512(seed.to_bytes(8, "little") + i.to_bytes(8, "little")).digest() * 64
+        out += block
+        i += 1
+    return bytes(out[:n])
+
+
+async def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--size", type=int, required=True)
+    ap.add_argument("--nics", default="127.0.0.1")
+    ap.add_argument("--token", default="")
+    ap.add_argument("--set", action="append", default=[], help="config key=value (json value)")
+    a = ap.parse_args(argv)
+    kw = {k: json.loads(v) for k, v in (s.split("=", 1) for s in a.set)}
+    cfg = TransferConfig(transport="tcp", nics=a.nics.split(","), auth_token=a.token, **kw)
+    eng = TransferEngine(cfg, a.name)
+    await eng.start()
+    buf = bytearray(a.size)
+    region = eng.register_local_memory(buf)
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+
+    def reply(obj) -> None:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    reply(eng.segment_descriptor())
+    while True:
+        line = (await reader.readline()).decode().split()
+        if not line or line[0] == "quit":
+            break
+        cmd = line[0]
+        if cmd == "fill":
+            buf[:] = pattern(int(line[1]), a.size)
+            reply({"ok": True})
+        elif cmd == "sha":
+            off, n = int(line[1]), int(line[2])
+            reply({"sha": hashlib.sha256(region.view[off:off + n]).hexdigest()})
+        elif cmd == "stats":
+            reply(eng.stats())
+        else:
+            reply({"error": f"unknown command {cmd}"})
+    await eng.close()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,122 @@
+"""Cutting requests into slices and choosing a path for each slice.
+
+A *path* is a (local NIC, remote NIC) pair. Primary paths pair the local
+preferred NICs of the source memory with the remote preferred NICs of the
+target memory rail by rail (local i <-> remote i mod n), which is what a
+multi-rail cluster wires up; every other pair is a fallback used only when
+no primary path is usable. Each slice goes to the usable path with the
+fewest bytes in flight, so faster links naturally take more slices.
+
+Path health: a failure puts the path in back-off (``base * 2**(k-1)``,
+capped); when the back-off ends one slice *probes* it; success clears the
+record, failure doubles the back-off.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .topology import Topology
+
+
+@dataclass(frozen=True)
+class Slice:
+    index: int
+    local_offset: int
+    remote_offset: int
+    length: int
+
+
+def cut(local_offset: int, remote_offset: int, length: int, slice_bytes: int) -> list[Slice]:
+    """Half-open slices [k*slice_bytes, min((k+1)*slice_bytes, length)) of the request."""
+    if slice_bytes <= 0:
+        raise ValueError(f"slice_bytes must be positive, got {slice_bytes}")
+    return [Slice(i, local_offset + o, remote_offset + o, min(slice_bytes, length - o))
+            for i, o in enumerate(range(0, length, slice_bytes))]
+
+
+Path = tuple[str, str]  # (local nic, remote nic name)
+
+
+def plan_paths(local: Topology, local_location: str, remote: Topology,
+               remote_location: str) -> tuple[list[Path], list[Path]]:
+    lp, ls = local.lists(local_location)
+    rp, rs = remote.lists(remote_location)
+    primary: list[Path] = []
+    for i in range(max(len(lp), len(rp))):
+        p = (lp[i % len(lp)], rp[i % len(rp)])
+        if p not in primary:
+            primary.append(p)
+    fallback: list[Path] = []
+    for lo in lp + ls:
+        for re in rp + rs:
+            if (lo, re) not in primary and (lo, re) not in fallback:
+                fallback.append((lo, re))
+    return primary, fallback
+
+
+@dataclass
+class PathHealth:
+    failures: int = 0
+    until: float = 0.0      # avoid before this monotonic time
+    probing: bool = False   # one slice is testing the path after a back-off
+    last_reason: str = ""
+
+
+@dataclass
+class PathTable:
+    """Health and load of paths to every segment, keyed (segment, path)."""
+
+    backoff_s: float
+    backoff_max_s: float
+    health: dict[tuple[str, Path], PathHealth] = field(default_factory=dict)
+    inflight: dict[tuple[str, Path], int] = field(default_factory=dict)
+
+    def usable(self, seg: str, path: Path, now: float) -> bool:
+        h = self.health.get((seg, path))
+        return h is None or (h.until <= now and not h.probing)
+
+    def choose(self, seg: str, primary: list[Path], fallback: list[Path],
+               avoid: Path | None = None) -> Path | None:
+        """Least-loaded usable path; primaries first; ``avoid`` (the path that
+        just failed this slice) only if nothing else is usable."""
+        now = time.monotonic()
+        for group in (primary, fallback):
+            cands = [p for p in group if p != avoid and self.usable(seg, p, now)]
+            if cands:
+                best = min(cands, key=lambda p: self.inflight.get((seg, p), 0))
+                self._mark_probe(seg, best)
+                return best
+        if avoid is not None and self.usable(seg, avoid, now):
+            self._mark_probe(seg, avoid)
+            return avoid
+        return None
+
+    def _mark_probe(self, seg: str, path: Path) -> None:
+        h = self.health.get((seg, path))
+        if h is not None and h.failures:
+            h.probing = True
+
+    def next_usable_at(self, seg: str, paths: list[Path]) -> float:
+        return min((self.health[(seg, p)].until if (seg, p) in self.health else 0.0) for p in paths)
+
+    def success(self, seg: str, path: Path) -> None:
+        if (seg, path) in self.health:
+            del self.health[(seg, path)]
+
+    def failure(self, seg: str, path: Path, reason: str) -> None:
+        h = self.health.setdefault((seg, path), PathHealth())
+        h.failures += 1
+        h.probing = False
+        h.last_reason = reason
+        h.until = time.monotonic() + min(self.backoff_s * 2 ** (h.failures - 1), self.backoff_max_s)
+
+    def release_probe(self, seg: str, path: Path) -> None:
+        """A probe slice was cancelled before it could tell us anything."""
+        h = self.health.get((seg, path))
+        if h is not None:
+            h.probing = False
+
+    def add_inflight(self, seg: str, path: Path, n: int) -> None:
+        self.inflight[(seg, path)] = self.inflight.get((seg, path), 0) + n

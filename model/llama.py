@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from model.config import ModelConfig
 from model.weights import LayerWeights
@@ -104,15 +103,27 @@ def gather_kv(kv_pages: torch.Tensor, layer: int, block_table: torch.Tensor,
     return kv[0].transpose(0, 1), kv[1].transpose(0, 1)
 
 
+def prefix_causal_mask(n: int, start: int, dtype: torch.dtype,
+                       device: torch.device | str) -> torch.Tensor:
+    """Additive [n, start + n] mask: query i (position start + i) sees keys
+    [0, start + i], i.e. causal aligned to the bottom-right corner. Built once
+    per chunk and shared by all layers (building it per call costs as much as
+    the attention over a short suffix)."""
+    allowed = torch.ones(n, start + n, dtype=torch.bool, device=device).tril(diagonal=start)
+    return torch.zeros(n, start + n, dtype=dtype, device=device).masked_fill_(
+        ~allowed, float("-inf"))
+
+
 def prefill_layer(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer: int,
                   kv_pages: torch.Tensor, block_table: torch.Tensor, start: int,
-                  cos: torch.Tensor, sin: torch.Tensor, on_kv_written: KVWrittenHook | None
-                  ) -> torch.Tensor:
+                  cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                  on_kv_written: KVWrittenHook | None) -> torch.Tensor:
     """One decoder layer over tokens [start, start + n) of one request.
 
     x: [n, hidden] hidden states of those tokens. KV of [0, start) must already
     be in the request's pages; this writes [start, start + n) and attends
-    each new token to every position up to and including itself.
+    each new token to every position up to and including itself. mask: None
+    when start == 0 (plain causal), else ``prefix_causal_mask(n, start)``.
     """
     n = x.shape[0]
     end = start + n
@@ -123,12 +134,9 @@ def prefill_layer(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer: int,
     if on_kv_written is not None:
         on_kv_written(layer)
     keys, values = gather_kv(kv_pages, layer, block_table, end)
-    # Query i (position start + i) sees keys [0, start + i]: a causal mask
-    # aligned to the bottom-right corner of the [n, end] score matrix.
-    mask = causal_lower_right(n, end) if start else None
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
-        is_causal=start == 0, enable_gqa=True)  # [1, heads, n, hd]
+        is_causal=mask is None, enable_gqa=True)  # [1, heads, n, hd]
     x = x + F.linear(out[0].transpose(0, 1).reshape(n, -1), w.o)
     return x + mlp(rms_norm(x, w.mlp_norm, c.rms_eps), w)
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from kvstore.layout import PageLayout
 from model.config import RuntimeConfig, page_layout
-from model.llama import Rope, decode_layer, prefill_layer, rms_norm
+from model.llama import Rope, decode_layer, prefill_layer, prefix_causal_mask, rms_norm
 from model.weights import TORCH_DTYPES, ModelWeights, load_weights
 
 # layer_hook(chunk_start, chunk_end, layer): the KV of tokens [chunk_start,
@@ -140,10 +140,11 @@ class ModelRunner:
         if layer_hook is not None:
             def hook(layer: int) -> None:
                 layer_hook(start, end, layer)
+        mask = prefix_causal_mask(end - start, start, w.dtype, self.device) if start else None
         x = F.embedding(tokens, w.embed)
         for i, lw in enumerate(w.layers):
             x = prefill_layer(x, lw, c, w.first_layer + i, self.kv_pages, table, start,
-                              cos, sin, hook)
+                              cos, sin, mask, hook)
         return x
 
     @torch.inference_mode()

@@ -327,6 +327,7 @@ class TransferEngine:
                 path = self.paths.choose(seg, primary, fallback, avoid)
                 if path is None:
                     continue
+            probe = self.paths.is_probe(seg, path)
             slots = self._slots.get((seg, path))
             if slots is None:
                 slots = self._slots[(seg, path)] = asyncio.Semaphore(
@@ -335,6 +336,9 @@ class TransferEngine:
             fut = ep = None
             try:
                 async with slots:
+                    if not probe and not self.paths.usable(seg, path, time.monotonic()):
+                        # The path failed while we queued for it: go elsewhere.
+                        raise EndpointError(self.paths.health[(seg, path)].last_reason or "path backing off")
                     ep = await self._endpoint(seg, desc, path)
                     fut = ep.post(req.op, req.target_region, s.remote_offset, view)
                     await fut

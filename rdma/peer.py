@@ -81,3 +81,49 @@ async def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     asyncio.run(main())
+
+
+class PeerProcess:
+    """Parent-side handle of a ``python -m rdma.peer`` child (tests, bench)."""
+
+    def __init__(self, name: str, size: int, nics: str = "127.0.0.1", token: str = "",
+                 settings: dict | None = None, prefix: list[str] | None = None, cwd: str | None = None) -> None:
+        import os
+        import subprocess
+        root = cwd or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        cmd = list(prefix or []) + [sys.executable, "-m", "rdma.peer", "--name", name, "--size", str(size),
+                                     "--nics", nics, "--token", token]
+        for k, v in (settings or {}).items():
+            cmd += ["--set", f"{k}={json.dumps(v)}"]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=root, text=True)
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait(5)
+            raise RuntimeError(f"peer {name} failed to start (rc={self.proc.returncode})")
+        self.descriptor: dict = json.loads(line)
+
+    def cmd(self, line: str) -> dict:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        out = self.proc.stdout.readline()
+        if not out:
+            raise RuntimeError("peer exited")
+        return json.loads(out)
+
+    def sha(self, offset: int, length: int) -> str:
+        return self.cmd(f"sha {offset} {length}")["sha"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(5)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait(5)
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except Exception:
+                pass

@@ -73,6 +73,10 @@ class PathTable:
     health: dict[tuple[str, Path], PathHealth] = field(default_factory=dict)
     inflight: dict[tuple[str, Path], int] = field(default_factory=dict)
 
+    def is_probe(self, seg: str, path: Path) -> bool:
+        h = self.health.get((seg, path))
+        return h is not None and h.probing
+
     def usable(self, seg: str, path: Path, now: float) -> bool:
         h = self.health.get((seg, path))
         return h is None or (h.until <= now and not h.probing)
@@ -107,10 +111,16 @@ class PathTable:
 
     def failure(self, seg: str, path: Path, reason: str) -> None:
         h = self.health.setdefault((seg, path), PathHealth())
+        now = time.monotonic()
+        if h.until > now and not h.probing:
+            # Already backing off: the same outage seen by another connection
+            # or slice must not escalate the back-off again.
+            h.last_reason = reason
+            return
         h.failures += 1
         h.probing = False
         h.last_reason = reason
-        h.until = time.monotonic() + min(self.backoff_s * 2 ** (h.failures - 1), self.backoff_max_s)
+        h.until = now + min(self.backoff_s * 2 ** (h.failures - 1), self.backoff_max_s)
 
     def release_probe(self, seg: str, path: Path) -> None:
         """A probe slice was cancelled before it could tell us anything."""

@@ -79,6 +79,9 @@ class ModelConfig:
         """From a HF LLaMA/Qwen2/Mistral ``config.json`` dict."""
         if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias", False):
             raise ValueError("only SwiGLU MLPs without bias (hidden_act silu) are supported")
+        if hf.get("model_type", "llama") != "qwen2" and hf.get("attention_bias", False):
+            # LLaMA's attention_bias also biases o_proj, which we do not model.
+            raise ValueError("attention_bias is supported for Qwen2-style q/k/v bias only")
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         # transformers >= 5 writes "rope_parameters" (theta inside); older

@@ -244,8 +244,9 @@ class StoreShard:
             else:
                 self._touch(existing)
             return False
+        self._guard_ssd_copy(key, tokens)
+        (page,) = self._take_pages(1)  # may demote blocks and drop the SSD copy itself
         self._drop_ssd_copy(key, tokens)
-        (page,) = self._take_pages(1)
         self.memory.write(page, view)
         self._insert(key, page, view.nbytes, tokens, pin)
         return True
@@ -268,6 +269,11 @@ class StoreShard:
         else:
             self._touch(b)
         return self.memory.page_view(b.page, b.size)
+
+    def peek(self, key: int) -> memoryview | None:
+        """Like get() for a DRAM block, but not a use: no LRU touch, no stats."""
+        b = self._blocks.get(key)
+        return None if b is None else self.memory.page_view(b.page, b.size)
 
     def contains(self, key: int) -> bool:
         """In any tier; does not count as a use."""
@@ -584,17 +590,19 @@ class StoreShard:
         self._lru[key] = None
         return b
 
-    def _drop_ssd_copy(self, key: int, tokens: bytes | None) -> None:
-        """Before caching ``key`` in DRAM, forget an SSD copy (after the guard)."""
-        if self._ssd is None:
-            return
-        entry = self._ssd.peek(key)
-        if entry is None:
-            return
-        if tokens is not None and entry.tokens is not None and tokens != entry.tokens:
+    def _guard_ssd_copy(self, key: int, tokens: bytes | None) -> None:
+        """The collision guard against an SSD copy of ``key``, if any."""
+        entry = self._ssd.peek(key) if self._ssd is not None else None
+        if entry is not None and tokens is not None and entry.tokens is not None \
+                and tokens != entry.tokens:
             self._collisions += 1
             raise KeyCollisionError(f"key {key:#x} is cached (on SSD) for different tokens")
-        self._ssd.remove(key)
+
+    def _drop_ssd_copy(self, key: int, tokens: bytes | None) -> None:
+        """Before caching ``key`` in DRAM, forget an SSD copy (after the guard)."""
+        if self._ssd is not None:
+            self._guard_ssd_copy(key, tokens)
+            self._ssd.remove(key)
 
     def _insert(self, key: int, page: int, size: int, tokens: bytes | None, pin: bool) -> None:
         b = _Block(key, page, size, tokens, 1 if pin else 0)

@@ -1,0 +1,6 @@
+"""Cluster-scale discrete-event simulator driving the real scheduling core."""
+from .config import PROFILES, HardwareProfile, SimConfig, load_profile
+from .engine import SimResult, run_simulation
+
+__all__ = ["PROFILES", "HardwareProfile", "SimConfig", "load_profile", "SimResult",
+           "run_simulation"]

@@ -1,0 +1,369 @@
+"""Discrete-event cluster simulation driving roles.scheduling.Scheduler.
+
+One heap of timed events; nodes are small state machines:
+- prefill node: FIFO of dispatched requests, one prefill at a time (the
+  first request in FIFO order whose prefix transfer has landed runs next);
+- decode node: continuous batching, one step at a time, requests join at
+  step boundaries once their KV has arrived;
+- colocated node (vLLM-like baseline): each step runs one prefill chunk
+  plus one decode step for the running batch, so prefill stalls decode;
+- per-node NIC: a FIFO (busy-until time) on both ends of every KV pull;
+- per-node store shard: LRU with pins; its stored/evicted events feed the
+  scheduler's global index synchronously (no event delay is modelled).
+The scheduler decides; the simulator only executes its decisions.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from roles.scheduling import (Decision, Scheduler, SchedulerConfig, ScheduleRequest,
+                              TransferEstimator, make_policy)
+
+from .config import SimConfig, load_profile
+from .costmodel import CostModel
+from .store import LruShard
+from .trace import TraceRequest, load_trace
+
+ARRIVE, XFER_DONE, PREFILL_DONE, DECODE_JOIN, STEP_DONE, WAKE, SAMPLE = range(7)
+
+
+@dataclass(eq=False)
+class Req:
+    t: TraceRequest
+    rid: str
+    sreq: ScheduleRequest
+    decision: Decision | None = None
+    rejected: str = ""
+    prefix_tokens: int = 0
+    local_prefix_tokens: int = 0
+    transferred_tokens: int = 0
+    ready_at: float = 0.0
+    prefill_start: float = -1.0
+    first_token: float = -1.0
+    prefill_s: float = 0.0
+    last_token: float = 0.0
+    tokens_left: int = 0
+    context: int = 0
+    intervals: list[float] = field(default_factory=list)
+    done_at: float = -1.0
+    pinned: tuple[int, ...] = ()
+    # colocated: next position to prefill
+    pos: int = 0
+
+
+class _Prefill:
+    def __init__(self, nid: str, store: LruShard) -> None:
+        self.nid = nid
+        self.store = store
+        self.queue: deque[Req] = deque()
+        self.busy = False
+        self.wake_at = math.inf
+        self.busy_s = 0.0
+        self.served = 0
+
+
+class _Decode:
+    def __init__(self, nid: str) -> None:
+        self.nid = nid
+        self.running: list[Req] = []
+        self.joining: list[Req] = []
+        self.stepping = False
+        self.context = 0
+        self.busy_s = 0.0
+        self.steps = 0
+        self.max_batch = 0
+        # colocated only
+        self.prefills: deque[Req] = deque()
+        self.cur: Req | None = None
+
+
+@dataclass
+class SimResult:
+    config: dict
+    summary: dict
+    requests: list[dict]
+    replicas: dict
+    nodes: dict
+
+    def to_json(self) -> dict:
+        return {"config": self.config, "summary": self.summary, "replicas": self.replicas,
+                "nodes": self.nodes, "requests": self.requests}
+
+
+class Simulation:
+    def __init__(self, cfg: SimConfig, trace: list[TraceRequest] | None = None) -> None:
+        self.cfg = cfg
+        self.profile = load_profile(cfg.model_profile)
+        self.cost = CostModel(self.profile, cfg.nic_gbps, cfg.prefill_chunk_tokens)
+        if trace is None:
+            trace = load_trace(cfg.trace, cfg.rate_scale, cfg.max_requests, cfg.block_size)
+        self.trace = trace
+        self.colocated = cfg.policy == "colocated"
+        bs = cfg.block_size
+        if self.colocated:
+            policy_name = cfg.colocated_routing
+            # vLLM's prefix cache lives in the GPU KV pool: at most HBM-sized
+            cap_tokens = self.cost.decode_kv_capacity_tokens
+            if cfg.cache_tokens_per_node >= 0:
+                cap_tokens = min(cap_tokens, cfg.cache_tokens_per_node)
+        else:
+            policy_name = cfg.policy
+            cap_tokens = cfg.cache_tokens_per_node
+        params = dict(cfg.policy_params)
+        if policy_name == "mooncake":
+            params.setdefault("kvcache_balancing_threshold", cfg.kvcache_balancing_threshold)
+        self.policy = make_policy(policy_name, **params)
+        self.scheduler = Scheduler(
+            SchedulerConfig(policy=policy_name, policy_params=params,
+                            ttft_slo_s=cfg.ttft_slo_s, tbt_slo_s=cfg.tbt_slo_ms / 1000,
+                            reject=cfg.reject, kv_bytes_per_token=self.cost.kv_bytes_per_token),
+            self.cost.prefill_estimator(), TransferEstimator(self.cost.transfer_Bps),
+            self.cost.decode_est, policy=self.policy)
+        cap_blocks = None if cap_tokens < 0 else cap_tokens // bs
+        self.prefills = {f"p{i}": _Prefill(f"p{i}", LruShard(cap_blocks)) for i in range(cfg.prefill)}
+        for nid in self.prefills:
+            self.scheduler.add_prefill_node(nid, cap_blocks or 0)
+        kv_pages = int(self.cost.decode_kv_capacity_tokens * cfg.decode_kv_fraction) // bs
+        if kv_pages <= 0:
+            raise ValueError("model_profile: no HBM left for KV after the weights")
+        if self.colocated:
+            self.decodes = {nid: _Decode(nid) for nid in self.prefills}
+        else:
+            self.decodes = {f"d{i}": _Decode(f"d{i}") for i in range(cfg.decode)}
+        for nid in self.decodes:
+            self.scheduler.add_decode_node(nid, kv_pages, bs)
+        self.nic_free: dict[str, float] = {}
+        self.heap: list[tuple] = []
+        self._seq = 0
+        self.reqs: list[Req] = []
+        counts = Counter(h for r in trace for h in r.hash_ids)
+        self.hot = [k for k, _ in counts.most_common(cfg.hot_keys)]
+        self.replica_samples: list[tuple[float, list[int]]] = []
+        self.transfer_bytes = 0
+
+    # ---- plumbing ----------------------------------------------------------
+    def push(self, t: float, kind: int, a: object = None, b: object = None) -> None:
+        self._seq += 1
+        heapq.heappush(self.heap, (t, self._seq, kind, a, b))
+
+    def _store_put(self, node: _Prefill, keys) -> None:
+        stored, evicted = node.store.put(keys)
+        if stored or evicted:
+            self.scheduler.on_events(node.nid, node.store.seq, stored, evicted)
+            node.store.seq += 1
+
+    def run(self) -> SimResult:
+        wall0 = time.perf_counter()
+        for r in self.trace:
+            self.push(r.arrival_s, ARRIVE, r)
+        if self.trace:
+            self.push(0.0, SAMPLE)
+        handlers = {ARRIVE: self._arrive, XFER_DONE: self._xfer_done,
+                    PREFILL_DONE: self._prefill_done, DECODE_JOIN: self._decode_join,
+                    STEP_DONE: self._step_done, WAKE: self._wake, SAMPLE: self._sample}
+        heap = self.heap
+        self.pending = len(self.trace)
+        while heap:
+            t, _, kind, a, b = heapq.heappop(heap)
+            self.now = t
+            handlers[kind](t, a, b)
+        wall = time.perf_counter() - wall0
+        from .metrics import build_result
+        return build_result(self, wall)
+
+    # ---- arrivals and dispatch ------------------------------------------------
+    def _arrive(self, now: float, tr: TraceRequest, _b: object) -> None:
+        cfg = self.cfg
+        rid = f"r{tr.index}"
+        sreq = ScheduleRequest(rid, tr.hash_ids, tr.input_length, cfg.block_size,
+                               tr.output_length)
+        r = Req(tr, rid, sreq)
+        self.reqs.append(r)
+        d = self.scheduler.schedule(sreq, now)
+        if not isinstance(d, Decision):
+            r.rejected = d.reason
+            self._finish(r, now)
+            return
+        r.decision = d
+        node = self.prefills[d.prefill_node]
+        r.local_prefix_tokens = d.local_prefix_tokens
+        r.prefix_tokens = d.prefix_tokens
+        local_blocks = min(len(tr.hash_ids), -(-d.local_prefix_tokens // cfg.block_size)) \
+            if d.local_prefix_tokens else 0
+        # pin what this request will read locally so LRU cannot take it
+        r.pinned = tr.hash_ids[:local_blocks]
+        node.store.pin(r.pinned)
+        node.store.touch(r.pinned)
+        r.ready_at = now
+        if d.transfer is not None:
+            x = d.transfer
+            src = self.prefills[x.source]
+            keys = tr.hash_ids[x.from_block:x.to_block]
+            src.store.pin(keys)
+            src.store.touch(keys)
+            start = max(now, self.nic_free.get(x.source, 0.0), self.nic_free.get(node.nid, 0.0))
+            dur = self.cost.transfer_s(x.bytes)
+            self.nic_free[x.source] = self.nic_free[node.nid] = start + dur
+            r.ready_at = start + dur
+            r.transferred_tokens = x.tokens
+            self.transfer_bytes += x.bytes
+            self.push(start + dur, XFER_DONE, r, dur)
+        if self.colocated:
+            dn = self.decodes[d.prefill_node]
+            r.pos = d.prefix_tokens
+            dn.prefills.append(r)
+            if not dn.stepping:
+                self._start_step(dn, now)
+        else:
+            node.queue.append(r)
+            self._try_start(node, now)
+
+    def _xfer_done(self, now: float, r: Req, dur: float) -> None:
+        x = r.decision.transfer
+        keys = r.t.hash_ids[x.from_block:x.to_block]
+        self.prefills[x.source].store.unpin(keys)
+        node = self.prefills[r.decision.prefill_node]
+        # cache load balancing: the puller keeps the prefix it fetched
+        node.store.pin(keys)
+        r.pinned = r.pinned + keys
+        self._store_put(node, keys)
+        self.scheduler.on_transfer_finished(x.source, x.bytes, dur)
+        self._try_start(node, now)
+
+    # ---- prefill nodes --------------------------------------------------------
+    def _try_start(self, node: _Prefill, now: float) -> None:
+        if node.busy or not node.queue:
+            return
+        pick = None
+        soonest = math.inf
+        for r in node.queue:
+            if r.ready_at <= now:
+                pick = r
+                break
+            soonest = min(soonest, r.ready_at)
+        if pick is None:
+            if soonest < node.wake_at:
+                node.wake_at = soonest
+                self.push(soonest, WAKE, node)
+            return
+        node.queue.remove(pick)
+        node.busy = True
+        dur = self.cost.prefill_s(pick.t.input_length, pick.prefix_tokens)
+        pick.prefill_start = now
+        pick.prefill_s = dur
+        node.busy_s += dur
+        node.served += 1
+        self.scheduler.on_prefill_started(node.nid, pick.rid, now)
+        self.push(now + dur, PREFILL_DONE, node, pick)
+
+    def _wake(self, now: float, node: _Prefill, _b: object) -> None:
+        if node.wake_at <= now:
+            node.wake_at = math.inf
+        self._try_start(node, now)
+
+    def _prefill_done(self, now: float, node: _Prefill, r: Req) -> None:
+        node.busy = False
+        self._first_token(r, node, now)
+        d = r.decision
+        if r.tokens_left > 0:
+            # Layer-wise streaming overlaps the KV send with prefill; only the
+            # last layer's share is left when the first token is out.
+            tail = self.cost.transfer_s(r.t.input_length * self.cost.kv_bytes_per_token
+                                        / self.profile.layers)
+            self.push(now + tail, DECODE_JOIN, self.decodes[d.decode_node], r)
+        self._try_start(node, now)
+
+    def _first_token(self, r: Req, node: _Prefill, now: float) -> None:
+        r.first_token = now
+        r.last_token = now
+        r.tokens_left = max(0, r.t.output_length - 1)
+        r.context = r.t.input_length + 1
+        node.store.unpin(r.pinned)
+        r.pinned = ()
+        self._store_put(node, r.t.hash_ids)
+        self.scheduler.on_prefill_finished(node.nid, r.rid, now, r.prefill_s)
+        if r.tokens_left == 0:
+            self._finish(r, now)
+
+    # ---- decode nodes ---------------------------------------------------------
+    def _decode_join(self, now: float, dn: _Decode, r: Req) -> None:
+        dn.joining.append(r)
+        if not dn.stepping:
+            self._start_step(dn, now)
+
+    def _start_step(self, dn: _Decode, now: float) -> None:
+        if dn.joining:
+            for r in dn.joining:
+                dn.context += r.context
+            dn.running.extend(dn.joining)
+            dn.joining.clear()
+        dur = 0.0
+        chunk = None
+        if self.colocated and (dn.cur is not None or dn.prefills):
+            if dn.cur is None:
+                dn.cur = dn.prefills.popleft()
+                dn.cur.prefill_start = now
+                self.scheduler.on_prefill_started(dn.nid, dn.cur.rid, now)
+            r = dn.cur
+            size = self.cfg.colocated_chunk_tokens or r.t.input_length
+            end = min(r.t.input_length, r.pos + size)
+            pdur = self.cost.chunk_s(r.pos, end)
+            r.prefill_s += pdur
+            dur += pdur
+            chunk = end
+        if dn.running:
+            dur += self.cost.decode_step_s(len(dn.running), dn.context)
+            dn.max_batch = max(dn.max_batch, len(dn.running))
+        if chunk is None and not dn.running:
+            dn.stepping = False
+            return
+        dn.stepping = True
+        dn.busy_s += dur
+        dn.steps += 1
+        self.push(now + dur, STEP_DONE, dn, chunk)
+
+    def _step_done(self, now: float, dn: _Decode, chunk: int | None) -> None:
+        if dn.running:
+            still = []
+            for r in dn.running:
+                r.intervals.append(now - r.last_token)
+                r.last_token = now
+                r.tokens_left -= 1
+                r.context += 1
+                dn.context += 1
+                if r.tokens_left > 0:
+                    still.append(r)
+                else:
+                    dn.context -= r.context
+                    self._finish(r, now)
+            dn.running = still
+        if chunk is not None:
+            r = dn.cur
+            r.pos = chunk
+            if chunk >= r.t.input_length:
+                dn.cur = None
+                self._first_token(r, self.prefills[dn.nid], now)
+                if r.tokens_left > 0:
+                    dn.joining.append(r)
+        self._start_step(dn, now)
+
+    def _finish(self, r: Req, now: float) -> None:
+        r.done_at = now
+        if r.decision is not None:
+            self.scheduler.on_decode_finished(r.decision.decode_node, r.rid, now)
+        self.pending -= 1
+
+    def _sample(self, now: float, _a: object, _b: object) -> None:
+        ix = self.scheduler.index
+        self.replica_samples.append((now, [len(ix.holders(k)) for k in self.hot]))
+        if self.pending > 0:
+            self.push(now + self.cfg.sample_interval_s, SAMPLE)
+
+
+def run_simulation(cfg: SimConfig, trace: list[TraceRequest] | None = None) -> SimResult:
+    """Replay a trace through the scheduling core on a simulated cluster."""
+    return Simulation(cfg, trace).run()

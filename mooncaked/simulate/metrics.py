@@ -1,0 +1,102 @@
+"""Turn a finished simulation into per-request records and a summary."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .engine import SimResult, Simulation
+
+TBT_SLOS_MS = (100.0, 200.0, 300.0)
+
+
+def paper_tbt(intervals: list[float]) -> float:
+    """The paper's TBT: mean of the longest 10% of a request's token intervals."""
+    if not intervals:
+        return 0.0
+    k = max(1, math.ceil(0.1 * len(intervals)))
+    top = sorted(intervals, reverse=True)[:k]
+    return sum(top) / k
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
+
+
+def build_result(sim: Simulation, wall_s: float) -> SimResult:
+    from .engine import SimResult
+
+    cfg = sim.cfg
+    cost = sim.cost
+    rows = []
+    ttfts, tbts = [], []
+    prefix = local = xfer = tokens = 0
+    used_s = full_s = 0.0
+    for r in sim.reqs:
+        row = {"id": r.t.index, "arrival_s": r.t.arrival_s, "input": r.t.input_length,
+               "output": r.t.output_length}
+        if r.rejected:
+            row["rejected"] = r.rejected
+            rows.append(row)
+            continue
+        ttft = r.first_token - r.t.arrival_s
+        tbt = paper_tbt(r.intervals)
+        d = r.decision
+        row.update(ttft_s=ttft, tbt_s=tbt, prefill=d.prefill_node, decode=d.decode_node,
+                   prefix_tokens=r.prefix_tokens, local_prefix_tokens=r.local_prefix_tokens,
+                   transferred_tokens=r.transferred_tokens, predicted_ttft_s=d.predicted_ttft_s,
+                   prefill_s=r.prefill_s)
+        rows.append(row)
+        ttfts.append(ttft)
+        tbts.append(tbt)
+        prefix += r.prefix_tokens
+        local += r.local_prefix_tokens
+        xfer += r.transferred_tokens
+        tokens += r.t.input_length
+        used_s += r.prefill_s
+        full_s += cost.prefill_s(r.t.input_length, 0)
+    n = len(sim.reqs)
+    served = len(ttfts)
+    effective = {}
+    for slo in TBT_SLOS_MS:
+        ok = sum(1 for row in rows if "ttft_s" in row and row["ttft_s"] <= cfg.ttft_slo_s
+                 and row["tbt_s"] <= slo / 1000)
+        effective[f"tbt_{int(slo)}ms"] = ok / n if n else 0.0
+    span = (max(r.t.arrival_s for r in sim.reqs) - min(r.t.arrival_s for r in sim.reqs)) \
+        if sim.reqs else 0.0
+    sim_end = max((r.done_at for r in sim.reqs), default=0.0)
+    summary = {
+        "requests": n, "served": served, "rejected": n - served,
+        "rejections": dict(sim.scheduler.rejections),
+        "request_rate": (n - 1) / span if span > 0 else 0.0,
+        "ttft_avg_s": sum(ttfts) / served if served else 0.0,
+        "ttft_p50_s": pct(ttfts, 0.5), "ttft_p90_s": pct(ttfts, 0.9),
+        "ttft_p99_s": pct(ttfts, 0.99),
+        "tbt_avg_s": sum(tbts) / served if served else 0.0,
+        "tbt_p90_s": pct(tbts, 0.9), "tbt_p99_s": pct(tbts, 0.99),
+        "hit_rate": prefix / tokens if tokens else 0.0,
+        "local_hit_rate": local / tokens if tokens else 0.0,
+        "transferred_token_share": xfer / tokens if tokens else 0.0,
+        "transfer_bytes": sim.transfer_bytes,
+        "prefill_seconds": used_s,
+        "prefill_seconds_without_reuse": full_s,
+        "prefill_compute_saved": 1 - used_s / full_s if full_s else 0.0,
+        "effective_capacity": effective,
+        "estimator_error": sim.scheduler.estimator_error(),
+        "simulated_seconds": sim_end,
+        "wall_seconds": wall_s,
+        "simulated_requests_per_wall_s": n / wall_s if wall_s > 0 else 0.0,
+    }
+    nodes = {nid: {"prefill_busy_s": p.busy_s, "prefill_requests": p.served,
+                   "cached_blocks": len(p.store)} for nid, p in sim.prefills.items()}
+    for nid, d in sim.decodes.items():
+        nodes.setdefault(nid, {}).update(decode_busy_s=d.busy_s, decode_steps=d.steps,
+                                         max_batch=d.max_batch)
+    replicas = {"hot_keys": len(sim.hot), "prefill_nodes": len(sim.prefills),
+                "times_s": [t for t, _ in sim.replica_samples],
+                "counts": [c for _, c in sim.replica_samples]}
+    return SimResult(asdict(cfg), summary, rows, replicas, nodes)

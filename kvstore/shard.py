@@ -377,11 +377,14 @@ class StoreShard:
         return n
 
     def acquire_prefix(self, keys: Sequence[int],
-                       token_ids: Sequence[int] | np.ndarray | None = None) -> list[int]:
+                       token_ids: Sequence[int] | np.ndarray | None = None, *,
+                       count_query: bool = True) -> list[int]:
         """Pin the longest cached prefix of ``keys`` and return its pages (in
         order).  Blocks on SSD are promoted; the prefix stops where a block is
         missing, fails the token guard or cannot be promoted.  Counts the
-        query and the hit in tokens.  Undo with ``release(keys[:len(pages)])``."""
+        query and the hit in tokens (the prefix-cache metrics) unless
+        ``count_query`` is False (e.g. a lease taken for a peer's fetch).
+        Undo with ``release(keys[:len(pages)])``."""
         prompt = self._prompt_bytes(keys, token_ids)
         stride = 4 * self.block_size
         pages: list[int] = []
@@ -397,8 +400,10 @@ class StoreShard:
                 break
             self._pin(b)
             pages.append(b.page)
-        self._query_tokens += len(token_ids) if token_ids is not None else len(keys) * self.block_size
-        self._hit_tokens += len(pages) * self.block_size
+        if count_query:
+            self._query_tokens += (len(token_ids) if token_ids is not None
+                                   else len(keys) * self.block_size)
+            self._hit_tokens += len(pages) * self.block_size
         return pages
 
     def release(self, keys: Sequence[int]) -> None:

@@ -552,15 +552,15 @@ class StoreShard:
         self._unlink(b)
         self._evictions += 1
         if self._ssd is not None:
-            dropped = self._ssd.put(key, self.memory.page_view(b.page, b.size), b.tokens, b.replicas)
-            if dropped is None:  # no SSD slot at all: the block is gone
-                self._ssd_drops += 1
-                self.events.evicted(key)
-            else:
+            stored, dropped = self._ssd.put(key, self.memory.page_view(b.page, b.size), b.tokens,
+                                            b.replicas)
+            if stored:
                 self._demotions += 1
-                for k in dropped:
-                    self._ssd_drops += 1
-                    self.events.evicted(k)
+            else:  # no SSD slot or a failed write: the block leaves the node
+                dropped.append(key)
+            for k in dropped:
+                self._ssd_drops += 1
+                self.events.evicted(k)
         else:
             self.events.evicted(key)
         self._free.append(b.page)

@@ -8,10 +8,13 @@ pinned: anything in use lives in DRAM.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from collections import OrderedDict
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -45,6 +48,7 @@ class SsdPool:
         self._index: OrderedDict[int, SsdEntry] = OrderedDict()
         self.writes = 0
         self.reads = 0
+        self.write_errors = 0
 
     def __len__(self) -> int:
         return len(self._index)
@@ -62,24 +66,32 @@ class SsdPool:
     def free_slots(self) -> int:
         return len(self._free)
 
-    def put(self, key: int, data: memoryview, tokens: bytes | None, replicas: int) -> list[int] | None:
-        """Store a block; returns the keys dropped to make room, or None if no
-        slot could be had (every slot is reserved by an ongoing promotion)."""
+    def put(self, key: int, data: memoryview, tokens: bytes | None,
+            replicas: int) -> tuple[bool, list[int]]:
+        """Store a block.  Returns (stored, keys dropped to make room).  Not
+        stored when no slot can be had (every slot is reserved by an ongoing
+        promotion) or the write fails (e.g. the disk is full)."""
         if key in self._index:  # same key = same content; keep the old copy
             self._index.move_to_end(key)
-            return []
+            return True, []
         dropped: list[int] = []
         if not self._free:
             if not self._index:
-                return None
+                return False, dropped
             old_key, old = self._index.popitem(last=False)
             self._free.append(old.slot)
             dropped.append(old_key)
         slot = self._free.pop()
-        self._pwrite(slot, data)
+        try:
+            self._pwrite(slot, data)
+        except OSError as exc:
+            self._free.append(slot)
+            self.write_errors += 1
+            log.warning("SSD tier: write to %s failed, dropping block %#x: %s", self.path, key, exc)
+            return False, dropped
         self._index[key] = SsdEntry(slot, data.nbytes, tokens, replicas)
         self.writes += 1
-        return dropped
+        return True, dropped
 
     def take(self, key: int) -> SsdEntry | None:
         """Remove a block from the index for promotion.  Its slot stays reserved

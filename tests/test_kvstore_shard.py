@@ -300,3 +300,29 @@ def test_ssd_tier_demotes_and_promotes(tmp_path) -> None:
         s.check_integrity()
     finally:
         s.close()
+
+
+def test_ssd_write_failure_drops_the_block_cleanly(tmp_path, monkeypatch) -> None:
+    s = make_shard(2, ssd_tier=True, ssd_path=str(tmp_path / "pool"),
+                   ssd_capacity_bytes=4 * LAYOUT.page_bytes)
+    try:
+        import kvstore.ssd
+
+        def no_space(*_args):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(kvstore.ssd.os, "pwrite", no_space)
+        for k in range(3):
+            s.put(k, page(k))
+        assert s.tier_of(0) is None and s.contains(1) and s.contains(2)
+        batch = s.drain_events()
+        assert batch is not None and batch.evicted == [0]
+        st = s.stats()
+        assert (st.ssd_drops, st.demotions, st.free_pages) == (1, 0, 0)
+        s.check_integrity()
+        monkeypatch.undo()
+        s.put(3, page(3))                          # writes work again: 1 is demoted
+        assert s.tier_of(1) == "ssd" and bytes(s.get(1)) == page(1)
+        s.check_integrity()
+    finally:
+        s.close()

@@ -1,0 +1,195 @@
+"""Prefill-time model: measure, fit, save, predict.
+
+The conductor estimates T_prefill(input_len, prefix_len) for every candidate
+prefill node (Algorithm 1). From the paper's ``flops(n) = l*(a*n^2*d +
+b*n*d^2)``, computing n new tokens after a cached prefix of p tokens costs
+linear layers ~ n, attention ~ n*p + n^2/2 score pairs, and reading the
+prefix KV from pages ~ p. So we fit
+
+    t(n, p) = c0 + c1*n + c2*n^2 + c3*n*p + c4*p      (seconds)
+
+with n = input_len - prefix_len, by least squares weighted for relative
+error and with every c >= 0 (each term is a cost). The JSON format is in
+docs/model.md; ``PrefillProfile.load(path).predict(input_len, prefix_len)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from model.config import RuntimeConfig, load_model_config, page_layout
+from model.runner import ModelRunner, configure_torch
+from model.weights import TORCH_DTYPES, load_weights
+
+FORMAT = "mooncaked-prefill-profile/1"
+FEATURES = ["1", "n", "n^2", "n*p", "p"]
+
+
+def features(n_new: float, prefix: float) -> list[float]:
+    return [1.0, n_new, n_new * n_new, n_new * prefix, prefix]
+
+
+@dataclass
+class PrefillProfile:
+    coefficients: list[float]  # aligned with FEATURES, seconds
+    meta: dict = field(default_factory=dict)  # model, dtype, block size, samples, fit error
+
+    def __post_init__(self) -> None:
+        if len(self.coefficients) != len(FEATURES):
+            raise ValueError(f"coefficients must have {len(FEATURES)} entries ({FEATURES})")
+
+    def predict(self, input_len: int, prefix_len: int = 0) -> float:
+        """Seconds to prefill a prompt of input_len tokens, prefix_len cached."""
+        if input_len < 1 or not 0 <= prefix_len <= input_len:
+            raise ValueError(f"need 0 <= prefix_len <= input_len, input_len >= 1; "
+                             f"got {input_len}, {prefix_len}")
+        # A fully cached prompt still recomputes its last token for logits.
+        prefix = min(prefix_len, input_len - 1)
+        return float(np.dot(self.coefficients, features(input_len - prefix, prefix)))
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "features": FEATURES, "coefficients": self.coefficients,
+                **self.meta}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PrefillProfile":
+        if d.get("format") != FORMAT or d.get("features") != FEATURES:
+            raise ValueError(f"not a {FORMAT} file (format={d.get('format')!r})")
+        meta = {k: v for k, v in d.items() if k not in ("format", "features", "coefficients")}
+        return cls([float(c) for c in d["coefficients"]], meta)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "PrefillProfile":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def fit(samples: list[tuple[int, int, float]]) -> list[float]:
+    """Non-negative least squares on relative error over (input_len, prefix_len, seconds)."""
+    if len(samples) < len(FEATURES):
+        raise ValueError(f"need at least {len(FEATURES)} samples, got {len(samples)}")
+    x = np.array([features(i - p, p) for i, p, _ in samples], dtype=np.float64)
+    t = np.array([s for _, _, s in samples], dtype=np.float64)
+    w = 1.0 / np.maximum(t, 1e-6)
+    scale = np.abs(x).max(axis=0)  # columns span 1 .. 1e8: normalise for conditioning
+    xs = x / scale * w[:, None]
+    active = list(range(len(FEATURES)))
+    # Active-set NNLS: refit without any term that comes out negative.
+    while True:
+        coef = np.zeros(len(FEATURES))
+        sol, *_ = np.linalg.lstsq(xs[:, active], t * w, rcond=None)
+        coef[active] = sol
+        negative = [j for j in active if coef[j] < 0]
+        if not negative:
+            return list(coef / scale)
+        active.remove(min(negative, key=lambda j: coef[j]))
+
+
+@dataclass
+class ProfileConfig:
+    model: str = "dummy"
+    output: str = "prefill_profile.json"
+    block_size: int = 256
+    prefill_chunk: int = 1024
+    lengths: list[int] = field(default_factory=lambda: [256, 1024, 2048, 4096, 8192])
+    prefix_fractions: list[float] = field(default_factory=lambda: [0.0, 0.5, 0.9])
+    repeats: int = 1
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    torch_threads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.prefill_chunk <= 0 or self.repeats <= 0:
+            raise ValueError("block_size, prefill_chunk and repeats must be positive")
+        if not self.lengths or min(self.lengths) < 2:
+            raise ValueError(f"lengths must be >= 2 tokens, got {self.lengths}")
+        if any(not 0 <= f < 1 for f in self.prefix_fractions):
+            raise ValueError(f"prefix_fractions must be in [0, 1), got {self.prefix_fractions}")
+
+
+def measure(cfg: ProfileConfig) -> tuple[list[tuple[int, int, float]], RuntimeConfig]:
+    runtime = RuntimeConfig(model=cfg.model, device=cfg.device, dtype=cfg.dtype,
+                            prefill_chunk=cfg.prefill_chunk, seed=cfg.seed,
+                            torch_threads=cfg.torch_threads)
+    configure_torch(runtime)
+    mc = load_model_config(cfg.model)
+    layout = page_layout(mc, cfg.block_size, cfg.dtype)
+    max_len = max(cfg.lengths)
+    num_pages = -(-max_len // cfg.block_size)
+    # Prefix KV contents do not change the time, so the pages stay zero.
+    pages = torch.zeros(num_pages, layout.num_layers, 2, cfg.block_size, layout.num_kv_heads,
+                        layout.head_dim, dtype=TORCH_DTYPES[cfg.dtype], device=cfg.device)
+    runner = ModelRunner(load_weights(runtime), pages)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    table = list(range(num_pages))
+    runner.prefill([1] * 64, table, 0)  # warm up kernels and allocator
+    samples = []
+    for length in cfg.lengths:
+        tokens = torch.randint(0, mc.vocab_size, (length,), generator=gen).tolist()
+        for frac in cfg.prefix_fractions:
+            prefix = min(int(length * frac), length - 1)
+            best = float("inf")
+            for _ in range(cfg.repeats):
+                t0 = time.perf_counter()
+                runner.prefill(tokens, table, prefix, chunk_size=cfg.prefill_chunk)
+                if cfg.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - t0)
+            samples.append((length, prefix, best))
+    return samples, runtime
+
+
+def run(args: Any) -> dict:
+    """``mooncaked profile``: measure, fit, write JSON to ``output``; returns it.
+
+    args: a dict or an object with ProfileConfig's fields (missing ones take
+    defaults).
+    """
+    raw = args if isinstance(args, dict) else vars(args)
+    names = {f.name for f in fields(ProfileConfig)}
+    cfg = ProfileConfig(**{k: v for k, v in raw.items() if k in names and v is not None})
+    samples, runtime = measure(cfg)
+    coef = fit(samples)
+    profile = PrefillProfile(coef, {
+        "model": cfg.model, "dtype": cfg.dtype, "device": cfg.device,
+        "block_size": cfg.block_size, "prefill_chunk": cfg.prefill_chunk,
+        "torch_threads": torch.get_num_threads(),
+        "samples": [{"input_len": i, "prefix_len": p, "seconds": s} for i, p, s in samples],
+        "created_unix": time.time(),
+    })
+    errors = [abs(profile.predict(i, p) - s) / s for i, p, s in samples]
+    profile.meta["max_rel_error"] = max(errors)
+    profile.meta["mean_rel_error"] = sum(errors) / len(errors)
+    if cfg.output:
+        profile.save(cfg.output)
+    return profile.to_dict()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Fit the prefill-time model of a model config")
+    defaults = ProfileConfig()
+    for f in fields(ProfileConfig):
+        value = getattr(defaults, f.name)
+        if isinstance(value, list):
+            parser.add_argument(f"--{f.name.replace('_', '-')}", nargs="+",
+                                type=type(value[0]), default=None)
+        else:
+            parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(value), default=None)
+    result = run(parser.parse_args(argv))
+    print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
+

@@ -7,7 +7,8 @@ Measures, in one run:
   in steady state) and ``get`` (zero-copy view) latency and GB/s, plus
   ``get`` followed by a copy out, for a LLaMA-like page shape;
 * ``match_prefix`` / ``acquire_prefix`` + ``release`` of a 512-block prompt,
-  and the time to hash its keys.
+  and the time to hash its keys;
+* demotion to / promotion from the optional SSD tier.
 
 Targets from the issue: put+get throughput >= 0.5x memcpy; 512-block prefix
 match < 100 us.  ``run(args)`` returns the same dict for ``mooncaked bench store``.
@@ -34,7 +35,7 @@ from kvstore.shard import StoreShard
 # per token, 32 MiB per 256-token page.  (LLaMA-3-70B: 80 layers, 80 MiB per page.)
 DEFAULTS: dict[str, Any] = {
     "layers": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bfloat16", "block_size": 256,
-    "pages": 8, "iters": 24, "match_blocks": 512, "match_iters": 2000,
+    "pages": 8, "iters": 24, "match_blocks": 512, "match_iters": 2000, "ssd_pages": 4,
 }
 
 
@@ -94,6 +95,7 @@ def bench_put_get(opts: dict[str, Any]) -> dict[str, Any]:
             shard.put(key, src)
             t1 = time.perf_counter_ns()
             view = shard.get(key)
+            assert view is not None
             t2 = time.perf_counter_ns()
             np.copyto(dst, np.frombuffer(view, dtype=np.uint8))
             t3 = time.perf_counter_ns()
@@ -105,7 +107,7 @@ def bench_put_get(opts: dict[str, Any]) -> dict[str, Any]:
         put_ns = statistics.median(put_samples)
         get_ns = statistics.median(get_samples)
         get_copy_ns = statistics.median(copy_samples)
-        round_ns = statistics.median(p + g for p, g in zip(put_samples, get_samples))
+        round_ns = statistics.median(p + g for p, g in zip(put_samples, get_samples, strict=True))
         memcpy_gbps = _gbps(pb, memcpy_ns)
         put_get_gbps = _gbps(pb, round_ns)
         return {
@@ -163,11 +165,43 @@ def bench_match(opts: dict[str, Any]) -> dict[str, Any]:
         shard.close()
 
 
+def bench_ssd(opts: dict[str, Any]) -> dict[str, Any]:
+    """Demote ``ssd_pages`` blocks to the SSD tier and promote them back."""
+    layout = PageLayout(opts["layers"], opts["block_size"], opts["kv_heads"], opts["head_dim"],
+                        opts["dtype"])
+    pb, n = layout.page_bytes, opts["ssd_pages"]
+    shard = StoreShard(StoreConfig(block_size=opts["block_size"], capacity_bytes=n * pb,
+                                   ssd_tier=True, ssd_capacity_bytes=2 * n * pb), layout)
+    try:
+        src = np.random.default_rng(2).integers(0, 256, pb, dtype=np.uint8)
+        for k in range(n):
+            shard.put(k, src)
+        t0 = time.perf_counter_ns()
+        for k in range(n, 2 * n):
+            shard.put(k, src)               # each put demotes one block (pwrite)
+        t1 = time.perf_counter_ns()
+        for k in range(n):
+            if shard.get(k) is None:        # each get promotes one (and demotes one)
+                raise AssertionError("bench store: SSD tier lost a block")
+        t2 = time.perf_counter_ns()
+        view = shard.get(0)
+        assert view is not None and np.array_equal(np.frombuffer(view, dtype=np.uint8), src)
+        return {
+            "blocks": n,
+            "put_with_demotion_gbps": round(_gbps(n * pb, t1 - t0), 2),
+            "get_with_promotion_gbps": round(_gbps(n * pb, t2 - t1), 2),
+            "pool_file": "system temp dir (likely page-cached: not raw SSD speed)",
+        }
+    finally:
+        shard.close()
+
+
 def run(args: object = None) -> dict[str, Any]:
     """Run the benchmark; ``args`` is a mapping or namespace with DEFAULTS' keys."""
     opts = _options(args)
     put_get = bench_put_get(opts)
     match = bench_match(opts)
+    ssd = bench_ssd(opts)
     return {
         "bench": "store",
         "note": ("figures taken on a shared 2-core machine with other work running; "
@@ -176,6 +210,7 @@ def run(args: object = None) -> dict[str, Any]:
                  "numpy": np.__version__},
         "put_get": put_get,
         "match": match,
+        "ssd_tier": ssd,
         "targets": {
             "put_get_vs_memcpy_min": 0.5,
             "put_get_pass": put_get["put_get_vs_memcpy"] >= 0.5,

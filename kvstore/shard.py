@@ -458,7 +458,7 @@ class StoreShard:
             self._waiters.append(fut)
             try:
                 await asyncio.wait_for(fut, left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def _notify_space(self) -> None:

@@ -13,7 +13,7 @@ from kvstore.bench import run
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"layers": 2, "kv_heads": 1, "head_dim": 8, "dtype": "float32", "block_size": 16,
-        "pages": 4, "iters": 3, "match_blocks": 8, "match_iters": 5}
+        "pages": 4, "iters": 3, "match_blocks": 8, "match_iters": 5, "ssd_pages": 2}
 
 
 def test_run_returns_the_report() -> None:

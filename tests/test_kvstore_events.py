@@ -78,7 +78,7 @@ def test_consumer_tracks_shard_through_random_churn() -> None:
     consumer = Consumer()
     consumer.load(shard.snapshot())
     try:
-        for step in range(2000):
+        for _ in range(2000):
             op = rng.random()
             key = rng.randrange(40)
             if op < 0.6:

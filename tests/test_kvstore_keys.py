@@ -82,7 +82,7 @@ def test_only_full_blocks_and_prefix_property() -> None:
     # Equal prefixes give equal keys; a change in block 1 changes every later key.
     other = tokens[:300] + [7] + tokens[301:]
     a, b = block_keys(tokens, 100), block_keys(other, 100)
-    assert a[:3] == b[:3] and all(x != y for x, y in zip(a[3:], b[3:]))
+    assert a[:3] == b[:3] and all(x != y for x, y in zip(a[3:], b[3:], strict=True))
 
 
 def test_parent_continues_the_chain() -> None:

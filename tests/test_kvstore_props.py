@@ -143,7 +143,7 @@ class ShardMachine(RuleBasedStateMachine):
                     self.shard.put(key, data, tokens_of(key), pin=pin)
                 except StoreFullError:
                     return
-                raise AssertionError("put() should have raised StoreFullError")
+                raise AssertionError("put() should have raised StoreFullError") from None
             m.ssd.pop(key, None)    # a fresh DRAM copy replaces an SSD copy
             m.insert(key, data, pin)
         assert self.shard.put(key, data, tokens_of(key), pin=pin) == expect_new
@@ -207,7 +207,7 @@ class ShardMachine(RuleBasedStateMachine):
                 self.shard.allocate(n)
             except StoreFullError:
                 return
-            raise AssertionError("allocate() should have raised StoreFullError")
+            raise AssertionError("allocate() should have raised StoreFullError") from None
         pages = self.shard.allocate(n)
         assert len(set(pages)) == n and not set(pages) & set(m.private)
         for i, p in enumerate(pages):

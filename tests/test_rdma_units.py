@@ -33,10 +33,12 @@ def test_sieve_visited_entries_survive():
     out = pool.put("d", 3)
     assert out == [("b", 1)]
     assert "a" in pool and "b" not in pool
-    # The hand resumes just above the victim (c), not at the tail: a, whose
-    # bit was cleared, stays until the hand wraps round to it.
+    # The hand resumes just above the victim, walking towards the head (c,
+    # then d), and only wraps to the tail at the head: a, whose bit was
+    # cleared, survives until the hand comes round again.
     assert pool.put("e", 4) == [("c", 2)]
-    assert pool.put("f", 5) == [("a", 0)]
+    assert pool.put("f", 5) == [("d", 3)]
+    assert "a" in pool
 
 
 def test_sieve_hand_resumes_and_remove():

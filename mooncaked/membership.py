@@ -54,7 +54,7 @@ class NodeRegistry:
         self._listeners: list[Callable[[str, NodeRecord], None]] = []
 
     def subscribe(self, listener: Callable[[str, NodeRecord], None]) -> None:
-        """``listener(event, record)`` with event in {"joined", "left", "dead"}."""
+        """``listener(event, record)``, event in {"joined", "left", "dead", "heartbeat"}."""
         self._listeners.append(listener)
 
     def _emit(self, event: str, record: NodeRecord) -> None:
@@ -87,6 +87,7 @@ class NodeRegistry:
             return False
         record.last_seen = now
         record.load = dict(load)
+        self._emit("heartbeat", record)
         return True
 
     def deregister(self, node_id: str) -> bool:

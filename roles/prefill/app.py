@@ -1,11 +1,82 @@
-"""Prefill node wiring."""
+"""Prefill node wiring and its internal endpoints.
+
+POST /internal/prefill          run a prefill (body: see PrefillSpec.from_json)
+POST /internal/prefill/cancel   {request_id}
+plus the block leases peers use to READ our cached prefixes (store_leases).
+"""
 
 from __future__ import annotations
 
 from aiohttp import web
 
+from kvstore.shard import StoreFullError
+from mooncaked.errors import ApiError, json_response, read_json
+from roles.cache_sync import CacheEventPusher
+from roles.prefill.job import PrefillCancelled, PrefillSpec
+from roles.prefill.service import PrefillService, QueueFull
+from roles.store_leases import add_lease_routes
 from roles.worker import add_membership
+from roles.worker_node import WORKER, add_worker_resources
+from rdma.types import TransferError
+
+PREFILL = web.AppKey("prefill", PrefillService)
+PUSHER = web.AppKey("pusher", CacheEventPusher)
+
+
+async def prefill(request: web.Request) -> web.Response:
+    worker = request.app[WORKER]
+    body = await read_json(request, 64 << 20)
+    try:
+        spec = PrefillSpec.from_json(body, worker.layout.block_size)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ApiError(400, f"bad prefill request: {exc}") from None
+    try:
+        result = await request.app[PREFILL].submit(spec)
+    except QueueFull as exc:
+        raise ApiError(503, str(exc)) from None
+    except PrefillCancelled as exc:
+        raise ApiError(409, f"prefill {spec.request_id} cancelled: {exc}") from None
+    except StoreFullError as exc:
+        raise ApiError(503, f"no KV pages free on this prefill node: {exc}") from None
+    except TransferError as exc:
+        raise ApiError(502, f"streaming KV to the decode node failed: {exc.reason}") from None
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
+    # New blocks should reach the global index before the next decision.
+    await request.app[PUSHER].flush()
+    return json_response(result.to_json())
+
+
+async def cancel(request: web.Request) -> web.Response:
+    body = await read_json(request, 1 << 16)
+    return json_response({"cancelled": request.app[PREFILL].cancel(str(body.get("request_id")))})
+
+
+def add_prefill_service(app: web.Application, ctx, worker) -> None:
+    """Prefill queue, cache-event pusher, block leases and the prefill endpoints."""
+
+    async def service(app: web.Application):
+        cfg = ctx.config
+        svc = PrefillService(worker, cfg.model.prefill_chunk, cfg.prefill.max_queue,
+                             cfg.prefill.fetch_timeout_s)
+        pusher = CacheEventPusher(worker.shard, worker.http, cfg.node.conductor_url, ctx.node_id,
+                                  cfg.node.cluster_token)
+        app[PREFILL] = svc
+        app[PUSHER] = pusher
+        svc.start()
+        pusher.start()
+        ctx.load_providers.append(svc.load)
+        ctx.status_providers["prefill"] = svc.load
+        yield
+        await svc.close()
+        await pusher.close()
+
+    app.cleanup_ctx.append(service)
+    add_lease_routes(app, worker)
+    app.router.add_post("/internal/prefill", prefill)
+    app.router.add_post("/internal/prefill/cancel", cancel)
 
 
 def setup_prefill(app: web.Application, ctx) -> None:
+    add_prefill_service(app, ctx, add_worker_resources(app, ctx))
     add_membership(app, ctx)

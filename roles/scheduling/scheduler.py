@@ -94,10 +94,12 @@ class Scheduler:
 
     # ---- the decision -------------------------------------------------
     def _context(self, req: ScheduleRequest, now: float) -> PlanContext | None:
-        nodes = [n for n, s in self.prefill.items() if s.alive]
+        # Candidates take new work; a draining node (accepting=False) is not a
+        # candidate but its cache still counts: peers may pull from it.
+        nodes = [n for n, s in self.prefill.items() if s.alive and s.accepting]
         if not nodes:
             return None
-        alive = set(nodes)
+        alive = {n for n, s in self.prefill.items() if s.alive}
         matches = {n: b for n, b in self.index.longest_prefix_per_node(req.block_keys).items()
                    if n in alive}
         return PlanContext(

@@ -69,6 +69,9 @@ class PrefillNodeState:
     node_id: str
     alive: bool = True
     cache_capacity_blocks: int = 0
+    # False while the node drains: no new prefills, but its cache is still
+    # served to peers (it stays in the index and may be a transfer source).
+    accepting: bool = True
     reported_queue_s: float = 0.0
     reported_at: float = 0.0
     pending: dict[str, PendingPrefill] = field(default_factory=dict)

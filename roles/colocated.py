@@ -1,0 +1,24 @@
+"""Colocated role: one node runs both prefill and decode (the vLLM-like baseline).
+
+It serves the prefill and decode endpoints over ONE worker: one store shard
+(so only its own prefix cache is reused), one model, one compute thread — a
+long prefill therefore stalls the decode steps of every running request,
+which is exactly the interference that disaggregation removes.  KV "streamed"
+to the decode side is a local copy between pages of the same shard.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from roles.decode.app import add_decode_service
+from roles.prefill.app import add_prefill_service
+from roles.worker import add_membership
+from roles.worker_node import add_worker_resources
+
+
+def setup_colocated(app: web.Application, ctx) -> None:
+    worker = add_worker_resources(app, ctx)
+    add_prefill_service(app, ctx, worker)
+    add_decode_service(app, ctx, worker)
+    add_membership(app, ctx)

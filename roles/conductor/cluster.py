@@ -1,0 +1,157 @@
+"""The conductor's live view of the cluster, fed into the I/O-free Scheduler.
+
+Membership events (joined / left / dead / heartbeat) from the NodeRegistry
+and cache events from the nodes' store shards are translated into calls on
+``roles.scheduling.Scheduler`` — the same object the simulator drives.
+
+Cache endpoints (node side: ``roles.cache_sync``):
+POST /internal/cache/snapshot  {node_id, epoch, seq, keys}
+POST /internal/cache/events    {node_id, epoch, seq, stored, evicted, resync}
+                               -> {"resync": bool}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from mooncaked.errors import ApiError, json_response, read_json
+from mooncaked.membership import NodeRecord, NodeRegistry
+from roles.scheduling.estimators import (DecodeEstimator, PolynomialPrefillEstimator,
+                                         TransferEstimator)
+from roles.scheduling.scheduler import Scheduler, SchedulerConfig
+from roles.scheduling.state import NodeReport
+
+log = logging.getLogger("mooncaked.conductor.cluster")
+
+# Until `mooncaked profile` output is configured, a rough CPU estimate for the
+# dummy model, refitted online from every finished prefill.
+DEFAULT_PREFILL_COEFFS = {"c0": 0.01, "n": 2.0e-4, "n2": 2.0e-9, "np": 2.0e-9}
+DEFAULT_DECODE = (0.01, 0.002, 1.0e-7)   # c0, per sequence, per context token
+DEFAULT_TRANSFER_BPS = 1.0e9              # loopback TCP; measured transfers update it
+
+
+def load_prefill_coeffs(path: str) -> dict[str, float]:
+    if not path:
+        return dict(DEFAULT_PREFILL_COEFFS)
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"conductor.prefill_profile {path!r}: {exc}") from None
+    coeffs = data.get("coeffs", data) if isinstance(data, dict) else None
+    if not isinstance(coeffs, dict):
+        raise ValueError(f"conductor.prefill_profile {path!r}: expected a 'coeffs' table")
+    return {k: float(v) for k, v in coeffs.items()}
+
+
+class ClusterView:
+    def __init__(self, registry: NodeRegistry, section) -> None:  # section: ConductorSection
+        self.registry = registry
+        self.scheduler = Scheduler(
+            SchedulerConfig(policy=section.policy, ttft_slo_s=section.ttft_slo_s,
+                            tbt_slo_s=section.tbt_slo_ms / 1000.0,
+                            policy_params=_policy_params(section)),
+            PolynomialPrefillEstimator(load_prefill_coeffs(section.prefill_profile), refit_every=8),
+            TransferEstimator(DEFAULT_TRANSFER_BPS),
+            DecodeEstimator(*DEFAULT_DECODE))
+        self.block_size: int | None = None
+        self.epochs: dict[str, int] = {}
+        registry.subscribe(self._on_membership)
+
+    def _on_membership(self, event: str, record: NodeRecord) -> None:
+        sched = self.scheduler
+        node = record.node_id
+        if event == "joined":
+            cap = record.capacity
+            block_size = int(cap.get("block_size", 0))
+            if self.block_size is None:
+                self.block_size = block_size
+                sched.config.kv_bytes_per_token = int(cap.get("kv_bytes_per_token", 1))
+            elif block_size != self.block_size:
+                log.error("node %s uses block size %d, the cluster %d: ignored", node, block_size,
+                          self.block_size)
+                return
+            self.epochs.pop(node, None)
+            sched.index.remove_node(node)
+            if record.role in ("prefill", "colocated"):
+                sched.add_prefill_node(node, cache_capacity_blocks=int(cap.get("pages", 0)))
+            if record.role in ("decode", "colocated"):
+                sched.add_decode_node(node, page_budget=int(cap.get("pages", 0)),
+                                      page_tokens=block_size)
+        elif event in ("left", "dead"):
+            sched.mark_dead(node)
+            self.epochs.pop(node, None)
+        elif event == "heartbeat":
+            load = record.load
+            if node in sched.prefill:
+                sched.prefill[node].accepting = not load.get("draining", False)
+            sched.on_node_report(node, NodeReport(
+                at=time.monotonic(), queued_prefill_s=load.get("queued_prefill_s"),
+                batch_size=load.get("batch_size"), context_tokens=load.get("context_tokens"),
+                free_pages=None, recent_tbt_s=load.get("recent_tbt_s") or None), time.monotonic())
+
+    def _live(self, node_id: Any) -> str:
+        record = self.registry.get(str(node_id))
+        if record is None or not record.alive:
+            raise ApiError(404, f"unknown node {node_id!r}: register first")
+        return record.node_id
+
+    def snapshot(self, body: dict) -> None:
+        node = self._live(body.get("node_id"))
+        keys = body.get("keys")
+        if not isinstance(keys, list):
+            raise ApiError(400, "keys must be a list")
+        self.epochs[node] = int(body["epoch"])
+        self.scheduler.resync(node, keys, next_seq=int(body["seq"]) + 1)
+
+    def events(self, body: dict) -> bool:
+        """Apply a batch; returns True when the node must send a snapshot."""
+        node = self._live(body.get("node_id"))
+        if body.get("resync") or self.epochs.get(node) != body.get("epoch"):
+            return True
+        ok = self.scheduler.on_events(node, int(body["seq"]), body.get("stored") or [],
+                                      body.get("evicted") or [])
+        return not ok
+
+    def status(self) -> dict:
+        sched = self.scheduler
+        errors = sched.ttft_errors[-100:]
+        return {
+            "policy": sched.policy.name,
+            "indexed_blocks": sum(sched.index.blocks_on(n) for n in sched.prefill),
+            "prefill": {n: {"alive": s.alive, "queue_s": round(s.queue_time(time.monotonic()), 4),
+                            "cached_blocks": sched.index.blocks_on(n)} for n, s in sched.prefill.items()},
+            "decode": {n: {"alive": d.alive, "batch_size": d.batch_size, "free_pages": d.free_pages}
+                       for n, d in sched.decode.items()},
+            "rejections": dict(sched.rejections),
+            "ttft_error_mean_s": sum(errors) / len(errors) if errors else None,
+            "prefill_coeffs": getattr(sched.prefill_est, "coeffs", None),
+        }
+
+
+def _policy_params(section) -> dict:
+    if section.policy == "mooncake":
+        return {"kvcache_balancing_threshold": section.kvcache_balancing_threshold}
+    return {}
+
+
+CLUSTER = web.AppKey("cluster", ClusterView)
+
+
+def add_cache_routes(app: web.Application) -> None:
+    async def snapshot(request: web.Request) -> web.Response:
+        body = await read_json(request, 256 << 20)
+        request.app[CLUSTER].snapshot(body)
+        return json_response({"ok": True})
+
+    async def events(request: web.Request) -> web.Response:
+        body = await read_json(request, 256 << 20)
+        return json_response({"resync": request.app[CLUSTER].events(body)})
+
+    app.router.add_post("/internal/cache/snapshot", snapshot)
+    app.router.add_post("/internal/cache/events", events)

@@ -1,0 +1,287 @@
+"""Running one request across the cluster: the conductor's side of the workflow.
+
+  1. schedule   block keys -> Scheduler.schedule (Algorithm 1) -> prefill node,
+                decode node, reuse plan; or a Rejection (HTTP 429);
+  2. reserve    the decode node allocates pages for prompt + max_tokens;
+  3. prefill    the prefill node loads the prefix (locally or from the peer
+                named in the plan), computes the rest and streams every
+                layer's KV into the reserved pages; it answers with the first
+                token (that is the TTFT);
+  4. decode     the decode node continues from the first token in its
+                continuous batch and streams tokens back.
+Whatever happens (finish, error, client gone), ``finally`` cancels what is
+still running on the nodes and returns the booked capacity to the Scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, AsyncIterator
+
+import aiohttp
+import orjson
+
+from kvstore.keys import block_keys
+from model.sampling import SamplingParams
+from mooncaked.errors import ApiError
+from roles.conductor.cluster import ClusterView
+from roles.conductor.metrics import ConductorMetrics
+from roles.conductor.openai_types import Scheduled, Token
+from roles.scheduling.state import Rejection, ScheduleRequest
+
+log = logging.getLogger("mooncaked.conductor.dispatch")
+
+
+@dataclass
+class RequestTrace:
+    """Per-request timing breakdown (seconds), kept for /admin/requests."""
+    request_id: str
+    prompt_tokens: int
+    prefill_node: str = ""
+    decode_node: str = ""
+    policy: str = ""
+    cached_tokens: int = 0
+    local_hit_tokens: int = 0
+    fetched_tokens: int = 0
+    transfer_planned_from: str | None = None
+    fetch_failed: str = ""
+    predicted_ttft_s: float = 0.0
+    schedule_s: float = 0.0
+    reserve_s: float = 0.0
+    prefill_queue_s: float = 0.0
+    prefix_load_s: float = 0.0
+    prefill_compute_s: float = 0.0
+    kv_transfer_wait_s: float = 0.0
+    first_layer_sent_s: float = 0.0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    e2e_s: float = 0.0
+    completion_tokens: int = 0
+    status: str = "running"
+    token_times: list[float] = field(default_factory=list, repr=False)
+    output_token_ids: list[int] = field(default_factory=list, repr=False)
+
+    def summary(self, with_tokens: bool = False) -> dict[str, Any]:
+        out = asdict(self)
+        out.pop("token_times")
+        if not with_tokens:
+            out.pop("output_token_ids")
+        return {k: round(v, 6) if isinstance(v, float) else v for k, v in out.items()}
+
+
+class Dispatcher:
+    def __init__(self, cluster: ClusterView, http: aiohttp.ClientSession, metrics: ConductorMetrics,
+                 hash_seed: int, eos_ids: list[int], cluster_token: str = "",
+                 keep_traces: int = 256) -> None:
+        self.cluster = cluster
+        self.http = http
+        self.metrics = metrics
+        self.hash_seed = hash_seed
+        self.eos_ids = frozenset(eos_ids)
+        self.headers = {"Authorization": f"Bearer {cluster_token}"} if cluster_token else {}
+        self.traces: collections.OrderedDict[str, RequestTrace] = collections.OrderedDict()
+        self.keep_traces = keep_traces
+
+    def _remember(self, trace: RequestTrace) -> None:
+        self.traces[trace.request_id] = trace
+        while len(self.traces) > self.keep_traces:
+            self.traces.popitem(last=False)
+
+    async def _post(self, url: str, body: dict, what: str, timeout: float | None = None) -> dict:
+        try:
+            async with self.http.post(url, data=orjson.dumps(body), headers={
+                    **self.headers, "Content-Type": "application/json"},
+                    timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                data = await resp.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise ApiError(502, f"{what} failed: {type(exc).__name__}: {exc}") from None
+        if resp.status != 200:
+            message = data.get("error", {}).get("message", data) if isinstance(data, dict) else data
+            status = 503 if resp.status in (503, 429) else 502
+            raise ApiError(status, f"{what} failed (HTTP {resp.status}): {message}")
+        return data
+
+    async def _cancel(self, url: str, request_id: str) -> None:
+        try:
+            async with self.http.post(url, json={"request_id": request_id}, headers=self.headers,
+                                      timeout=aiohttp.ClientTimeout(total=3)) as resp:
+                await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            pass  # node gone: its own timeouts free what it held
+
+    async def generate(self, request_id: str, token_ids: list[int],
+                       sampling: SamplingParams) -> AsyncIterator[Scheduled | Token]:
+        cluster, sched = self.cluster, self.cluster.scheduler
+        bs = cluster.block_size
+        t0 = time.perf_counter()
+        trace = RequestTrace(request_id, len(token_ids))
+        if bs is None:
+            self.metrics.rejected("no_nodes")
+            raise ApiError(503, "no prefill/decode nodes have joined the cluster yet",
+                           headers={"Retry-After": "1"})
+        keys = block_keys(token_ids, bs, self.hash_seed)
+        sched_keys = keys
+        tail = len(token_ids) % bs
+        if tail:
+            # The scheduler counts the partial last block too; its key (chained
+            # over the partial tokens) is never stored by a shard, so it never
+            # matches: only full blocks are ever reused.
+            sched_keys = keys + block_keys(token_ids[-tail:], tail, self.hash_seed,
+                                           parent=keys[-1] if keys else 0)
+        sreq = ScheduleRequest(request_id, tuple(sched_keys), len(token_ids), bs,
+                               expected_output_tokens=sampling.max_tokens)
+        decision = sched.schedule(sreq, time.monotonic())
+        trace.schedule_s = time.perf_counter() - t0
+        if isinstance(decision, Rejection):
+            self.metrics.rejected(decision.reason)
+            retry = max(1, int(decision.retry_after_s + 0.999))
+            status = 503 if decision.reason.startswith("no_") else 429
+            raise ApiError(status, f"rejected ({decision.reason}): predicted TTFT "
+                                   f"{decision.predicted_ttft_s:.3g}s, TBT {decision.predicted_tbt_s * 1000:.3g}ms "
+                                   f"against SLOs; retry later", code=decision.reason,
+                           headers={"Retry-After": str(retry)})
+        prefill = cluster.registry.get(decision.prefill_node)
+        decode = cluster.registry.get(decision.decode_node)
+        trace.prefill_node, trace.decode_node = decision.prefill_node, decision.decode_node
+        trace.policy, trace.predicted_ttft_s = decision.policy, decision.predicted_ttft_s
+        source = cluster.registry.get(decision.transfer.source) if decision.transfer else None
+        trace.transfer_planned_from = source.node_id if source else None
+        reserved = prefill_done = decode_done = False
+        self.metrics.running.inc()
+        try:
+            if prefill is None or decode is None:
+                raise ApiError(503, "the chosen node just left the cluster; retry",
+                               headers={"Retry-After": "1"})
+            t = time.perf_counter()
+            reservation = await self._post(decode.url + "/internal/decode/reserve", {
+                "request_id": request_id, "total_tokens": len(token_ids) + sampling.max_tokens},
+                "reserving KV pages on the decode node", timeout=10)
+            reserved = True
+            trace.reserve_s = time.perf_counter() - t
+            yield Scheduled({
+                "request_id": request_id, "prefill_node": decision.prefill_node,
+                "decode_node": decision.decode_node, "policy": decision.policy,
+                "prefix_tokens_planned": decision.prefix_tokens,
+                "local_prefix_tokens_planned": decision.local_prefix_tokens,
+                "transfer": trace.transfer_planned_from,
+                "predicted_ttft_ms": round(decision.predicted_ttft_s * 1000, 2),
+                "predicted_tbt_ms": round(decision.predicted_tbt_s * 1000, 2)})
+            body = {"request_id": request_id, "token_ids": token_ids, "block_keys": keys,
+                    "sampling": _sampling_json(sampling),
+                    "decode": {"segment": reservation["segment"], "region": reservation["region"],
+                               "pages": reservation["pages"]}}
+            if source is not None:
+                body["fetch"] = {"source_url": source.url, "to_block": decision.transfer.to_block}
+            sched.on_prefill_started(decision.prefill_node, request_id, time.monotonic())
+            result = await self._post(prefill.url + "/internal/prefill", body, "prefill")
+            prefill_done = True
+            self._account_prefill(trace, result, decision, source)
+            trace.ttft_s = time.perf_counter() - t0
+            self.metrics.first_token(trace)
+            first = int(result["first_token"])
+            finish = self._first_finish(first, sampling)
+            trace.token_times.append(trace.ttft_s)
+            trace.output_token_ids.append(first)
+            if finish is not None:
+                # Marked before the yield: the consumer may close us right after it.
+                decode_done, trace.status = True, "ok"
+            yield Token(first, result.get("logprob"), trace.cached_tokens, finish)
+            if finish is None:
+                async for token in self._decode_stream(decode.url, request_id, len(token_ids),
+                                                       first, sampling, trace, t0):
+                    if token.finish_reason is not None:
+                        decode_done, trace.status = True, "ok"
+                    yield token
+        except GeneratorExit:
+            trace.status = "cancelled"
+            raise
+        except ApiError as exc:
+            trace.status = f"error {exc.status}"
+            raise
+        except asyncio.CancelledError:
+            trace.status = "cancelled"
+            raise
+        finally:
+            self.metrics.running.dec()
+            now = time.monotonic()
+            if not prefill_done:
+                sched.on_prefill_finished(decision.prefill_node, request_id, now, 0.0)
+                if prefill is not None and reserved:
+                    await self._cancel(prefill.url + "/internal/prefill/cancel", request_id)
+            if reserved and not decode_done and decode is not None:
+                await self._cancel(decode.url + "/internal/decode/cancel", request_id)
+            sched.on_decode_finished(decision.decode_node, request_id, now)
+            trace.e2e_s = time.perf_counter() - t0
+            trace.completion_tokens = len(trace.token_times)
+            self.metrics.finished(trace)
+            self._remember(trace)
+
+    def _first_finish(self, token: int, sampling: SamplingParams) -> str | None:
+        if token in sampling.stop_token_ids or (token in self.eos_ids and not sampling.ignore_eos):
+            return "stop"
+        if sampling.max_tokens <= 1:
+            return "length"
+        return None
+
+    def _account_prefill(self, trace: RequestTrace, result: dict, decision, source) -> None:
+        timings = result.get("timings", {})
+        trace.cached_tokens = int(result.get("cached_tokens", 0))
+        trace.local_hit_tokens = int(result.get("local_hit_tokens", 0))
+        trace.fetched_tokens = int(result.get("fetched_tokens", 0))
+        trace.fetch_failed = result.get("fetch_failed", "")
+        trace.prefill_queue_s = timings.get("queue_s", 0.0)
+        trace.prefix_load_s = timings.get("fetch_s", 0.0)
+        trace.prefill_compute_s = timings.get("compute_s", 0.0)
+        trace.kv_transfer_wait_s = timings.get("transfer_wait_s", 0.0)
+        trace.first_layer_sent_s = timings.get("first_layer_sent_s", 0.0)
+        sched = self.cluster.scheduler
+        sched.on_prefill_finished(decision.prefill_node, trace.request_id, time.monotonic(),
+                                  trace.prefill_compute_s)
+        if source is not None and trace.fetched_tokens and trace.prefix_load_s > 0:
+            nbytes = trace.fetched_tokens * sched.config.kv_bytes_per_token
+            sched.on_transfer_finished(source.node_id, nbytes, trace.prefix_load_s)
+            self.metrics.transfer_bytes(nbytes)
+
+    async def _decode_stream(self, url: str, request_id: str, prompt_len: int, first: int,
+                             sampling: SamplingParams, trace: RequestTrace,
+                             t0: float) -> AsyncIterator[Token]:
+        body = {"request_id": request_id, "prompt_len": prompt_len, "first_token": first,
+                "sampling": _sampling_json(sampling)}
+        t_decode = time.perf_counter()
+        try:
+            async with self.http.post(url + "/internal/decode/generate", json=body,
+                                      headers=self.headers,
+                                      timeout=aiohttp.ClientTimeout(total=None, sock_read=60)) as resp:
+                if resp.status != 200:
+                    data = await resp.json(content_type=None)
+                    raise ApiError(502, f"decode failed (HTTP {resp.status}): {data}")
+                skipped_first = False
+                async for line in resp.content:
+                    if not line.strip():
+                        continue
+                    item = orjson.loads(line)
+                    if "error" in item:
+                        raise ApiError(502, f"decode node ended the stream: {item['error']}")
+                    if not skipped_first:  # the decode node echoes the first token
+                        skipped_first = True
+                        continue
+                    trace.token_times.append(time.perf_counter() - t0)
+                    trace.output_token_ids.append(int(item["token"]))
+                    yield Token(int(item["token"]), item.get("logprob"), trace.cached_tokens,
+                                item.get("finish_reason"))
+                    if item.get("finish_reason"):
+                        break
+                else:
+                    raise ApiError(502, "decode stream ended before the request finished")
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise ApiError(502, f"decode node lost: {type(exc).__name__}: {exc}") from None
+        finally:
+            trace.decode_s = time.perf_counter() - t_decode
+
+
+def _sampling_json(sampling: SamplingParams) -> dict[str, Any]:
+    return asdict(sampling)

@@ -1,0 +1,58 @@
+"""Conductor metrics, named after vLLM's under our own prefix."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120)
+_TBT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2.5)
+
+
+class ConductorMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        p = "mooncaked"
+        self.requests = Counter(f"{p}_requests", "Finished requests by status", ["status"],
+                                registry=registry)
+        self.rejections = Counter(f"{p}_rejections", "Requests rejected early, by reason",
+                                  ["reason"], registry=registry)
+        self.ttft = Histogram(f"{p}:time_to_first_token_seconds", "TTFT", buckets=_LATENCY_BUCKETS,
+                              registry=registry)
+        self.tbt = Histogram(f"{p}:time_per_output_token_seconds", "Token intervals",
+                             buckets=_TBT_BUCKETS, registry=registry)
+        self.e2e = Histogram(f"{p}:e2e_request_latency_seconds", "End-to-end latency",
+                             buckets=_LATENCY_BUCKETS, registry=registry)
+        self.queue = Histogram(f"{p}:request_queue_time_seconds", "Time queued at the prefill node",
+                               buckets=_LATENCY_BUCKETS, registry=registry)
+        self.prefix_queries = Counter(f"{p}:prefix_cache_queries", "Prompt tokens looked up",
+                                      registry=registry)
+        self.prefix_hits = Counter(f"{p}:prefix_cache_hits", "Prompt tokens reused (local or fetched)",
+                                   registry=registry)
+        self.fetched = Counter(f"{p}:prefix_cache_fetched_tokens", "Reused tokens fetched from a peer",
+                               registry=registry)
+        self.transfer = Counter(f"{p}:kv_transfer_bytes", "Prefix KV bytes moved between prefill nodes",
+                                registry=registry)
+        self.prompt_tokens = Counter(f"{p}:prompt_tokens", "Prompt tokens", registry=registry)
+        self.generation_tokens = Counter(f"{p}:generation_tokens", "Generated tokens", registry=registry)
+        self.running = Gauge(f"{p}:num_requests_running", "Requests in flight", registry=registry)
+
+    def rejected(self, reason: str) -> None:
+        self.rejections.labels(reason).inc()
+
+    def first_token(self, trace) -> None:
+        self.ttft.observe(trace.ttft_s)
+        self.queue.observe(trace.prefill_queue_s)
+        self.prefix_queries.inc(trace.prompt_tokens)
+        self.prefix_hits.inc(trace.cached_tokens)
+        self.fetched.inc(trace.fetched_tokens)
+        self.prompt_tokens.inc(trace.prompt_tokens)
+
+    def transfer_bytes(self, nbytes: int) -> None:
+        self.transfer.inc(nbytes)
+
+    def finished(self, trace) -> None:
+        self.requests.labels(trace.status.split()[0]).inc()
+        self.e2e.observe(trace.e2e_s)
+        self.generation_tokens.inc(len(trace.token_times))
+        times = trace.token_times
+        for a, b in zip(times, times[1:]):
+            self.tbt.observe(b - a)

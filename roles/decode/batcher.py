@@ -1,0 +1,178 @@
+"""Decode node core: page reservations and the continuous batch.
+
+A request's life here:
+  reserve   pages for prompt + max_tokens are allocated (private, so never
+            evicted) and their ids go back to the conductor, which hands them
+            to the prefill node as the target of its layer-wise KV WRITEs;
+  generate  once prefill has finished (all KV has arrived), the request joins
+            the running batch with its first token; each step decodes every
+            running sequence at once and pushes one token per sequence;
+  finish    EOS/stop token, max_tokens, cancel or client gone: pages freed.
+A reservation whose ``generate`` never comes (its prefill node died) is freed
+after ``reservation_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from model.runner import DecodeSeq
+from model.sampling import SamplingParams, sample
+
+log = logging.getLogger("mooncaked.decode")
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    pages: list[int]
+    reserved_at: float
+    prompt_len: int = 0
+    sampling: SamplingParams | None = None
+    generator: torch.Generator | None = None
+    stop_ids: frozenset[int] = frozenset()
+    tokens: list[int] = field(default_factory=list)   # generated so far (incl. the first)
+    out: asyncio.Queue | None = None
+    finished: str | None = None
+    started: bool = False
+
+    @property
+    def position(self) -> int:
+        """Position of the last generated token (its KV is computed next step)."""
+        return self.prompt_len + len(self.tokens) - 1
+
+
+class DecodeBatcher:
+    def __init__(self, worker, max_batch: int, reservation_timeout_s: float, eos_ids: list[int]) -> None:
+        self.worker = worker
+        self.shard = worker.shard
+        self.bs = worker.layout.block_size
+        self.max_batch = max_batch
+        self.reservation_timeout_s = reservation_timeout_s
+        self.eos_ids = frozenset(eos_ids)
+        self.seqs: dict[str, Sequence] = {}
+        self.running: list[Sequence] = []
+        self.waiting: deque[Sequence] = deque()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._sweeper: asyncio.Task | None = None
+        self.step_times: deque[float] = deque(maxlen=64)
+        self.tokens_out = 0
+        self.steps = 0
+
+    # -- reservations -----------------------------------------------------
+    def reserve(self, request_id: str, total_tokens: int) -> list[int]:
+        if request_id in self.seqs:
+            raise ValueError(f"request {request_id} already has a reservation")
+        pages = self.shard.allocate(-(-total_tokens // self.bs))  # StoreFullError if it cannot
+        self.seqs[request_id] = Sequence(request_id, pages, time.monotonic())
+        return pages
+
+    def release(self, request_id: str, reason: str) -> bool:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        seq.finished = seq.finished or reason
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.shard.free(seq.pages)
+        if seq.out is not None:
+            seq.out.put_nowait(None)
+        return True
+
+    # -- generation ---------------------------------------------------------
+    def start(self, request_id: str, prompt_len: int, first_token: int,
+              sampling: SamplingParams) -> asyncio.Queue:
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            raise KeyError(f"no reservation for request {request_id} (expired or cancelled)")
+        if seq.started:
+            raise ValueError(f"request {request_id} already started")
+        if (prompt_len + sampling.max_tokens) > len(seq.pages) * self.bs:
+            raise ValueError("reservation too small for prompt_len + max_tokens")
+        seq.started = True
+        seq.prompt_len = prompt_len
+        seq.sampling = sampling
+        seq.generator = sampling.make_generator()
+        seq.stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos
+                                                            else self.eos_ids)
+        seq.out = asyncio.Queue()
+        self._emit(seq, first_token, 0.0)
+        if seq.finished is None:
+            self.waiting.append(seq)
+            self._wake.set()
+        return seq.out
+
+    def _emit(self, seq: Sequence, token: int, logprob: float) -> None:
+        seq.tokens.append(token)
+        self.tokens_out += 1
+        if token in seq.stop_ids:
+            seq.finished = "stop"
+        elif len(seq.tokens) >= seq.sampling.max_tokens:
+            seq.finished = "length"
+        assert seq.out is not None
+        seq.out.put_nowait((token, logprob, seq.finished))
+
+    def run(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="decode-batch")
+        self._sweeper = asyncio.create_task(self._sweep(), name="reservation-sweeper")
+
+    async def _loop(self) -> None:
+        while True:
+            while self.waiting and len(self.running) < self.max_batch:
+                self.running.append(self.waiting.popleft())
+            if not self.running:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = list(self.running)
+            seqs = [DecodeSeq(s.tokens[-1], s.position, s.pages) for s in batch]
+            t0 = time.perf_counter()
+            logits = await self.worker.compute(self.worker.runner.decode_step, seqs)
+            self.step_times.append(time.perf_counter() - t0)
+            self.steps += 1
+            for seq, row in zip(batch, logits):
+                if seq.finished is not None or seq.request_id not in self.seqs:
+                    continue  # cancelled during the step
+                token, logprob = sample(row, seq.sampling, seq.generator)
+                self._emit(seq, token, logprob)
+            for seq in batch:
+                if seq.finished is not None and seq in self.running:
+                    self.running.remove(seq)
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.reservation_timeout_s / 4))
+            now = time.monotonic()
+            for seq in list(self.seqs.values()):
+                if not seq.started and now - seq.reserved_at > self.reservation_timeout_s:
+                    log.warning("reservation of %s expired unused after %.0fs (prefill node gone?)",
+                                seq.request_id, self.reservation_timeout_s)
+                    self.release(seq.request_id, "expired")
+
+    async def close(self) -> None:
+        for task in (self._task, self._sweeper):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        for request_id in list(self.seqs):
+            self.release(request_id, "shutdown")
+
+    def load(self) -> dict:
+        times = sorted(self.step_times)
+        return {"batch_size": len(self.running), "waiting": len(self.waiting),
+                "reservations": len(self.seqs), "free_pages": self.shard.stats().free_pages,
+                "recent_tbt_s": times[len(times) // 2] if times else 0.0,
+                "context_tokens": sum(s.position + 1 for s in self.running),
+                "tokens_out": self.tokens_out, "steps": self.steps}

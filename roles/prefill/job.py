@@ -1,0 +1,270 @@
+"""One prefill request, the paper's steps 1-3 (step 4 is the conductor's hand-off).
+
+1. KVCache reuse: pin the longest prefix held locally; READ the planned
+   extra prefix blocks from the peer that holds them (under a lease) into
+   fresh local pages and publish them here (this replicates hot prefixes);
+   if the fetch fails, recompute those blocks instead and say so.
+2. Incremental prefill: compute only the uncached suffix, in chunks; publish
+   every new full block in the local shard under its key.
+3. KVCache transfer: the prefix pages are sent whole to the decode node at
+   once; every computed chunk streams layer by layer from the runner's layer
+   hook, so the decode node receives layer l while layer l+1 computes.
+Invariant: every page this job pins or allocates is released or freed on
+every path out (success, failure, cancellation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from kvstore.shard import StoreFullError, StoreShard
+from model.sampling import SamplingParams, sample
+from rdma.types import TransferError, TransferOp, TransferRequest
+
+log = logging.getLogger("mooncaked.prefill")
+
+
+class PrefillCancelled(Exception):
+    pass
+
+
+class PrefillFailed(Exception):
+    pass
+
+
+@dataclass
+class PrefillSpec:
+    """What the conductor sends: the request, the reuse plan and the decode target."""
+
+    request_id: str
+    token_ids: list[int]
+    block_keys: list[int]
+    sampling: SamplingParams
+    # Planned fetch of blocks [fetch_from, fetch_to) from a peer (or None).
+    fetch_source_url: str | None
+    fetch_to_block: int
+    decode_segment: str
+    decode_region: int
+    decode_pages: list[int]
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any], block_size: int) -> "PrefillSpec":
+        tokens = body["token_ids"]
+        keys = body["block_keys"]
+        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) for t in tokens):
+            raise ValueError("token_ids must be a non-empty list of ints")
+        if not isinstance(keys, list) or len(keys) != len(tokens) // block_size:
+            raise ValueError(f"block_keys must hold one key per full block "
+                             f"({len(tokens) // block_size}), got {len(keys) if isinstance(keys, list) else keys!r}")
+        fetch = body.get("fetch") or {}
+        decode = body["decode"]
+        pages = decode["pages"]
+        if len(pages) * block_size < len(tokens):
+            raise ValueError("decode.pages do not cover the prompt")
+        return cls(request_id=str(body["request_id"]), token_ids=tokens, block_keys=keys,
+                   sampling=SamplingParams(**(body.get("sampling") or {})),
+                   fetch_source_url=fetch.get("source_url"),
+                   fetch_to_block=int(fetch.get("to_block", 0)),
+                   decode_segment=str(decode["segment"]), decode_region=int(decode.get("region", 0)),
+                   decode_pages=[int(p) for p in pages])
+
+
+@dataclass
+class PrefillResult:
+    first_token: int
+    logprob: float
+    local_hit_tokens: int = 0
+    fetched_tokens: int = 0
+    computed_tokens: int = 0
+    fetch_failed: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"first_token": self.first_token, "logprob": self.logprob,
+                "cached_tokens": self.local_hit_tokens + self.fetched_tokens,
+                "local_hit_tokens": self.local_hit_tokens, "fetched_tokens": self.fetched_tokens,
+                "computed_tokens": self.computed_tokens, "fetch_failed": self.fetch_failed,
+                "timings": {k: round(v, 6) for k, v in self.timings.items()}}
+
+
+class PrefillJob:
+    def __init__(self, spec: PrefillSpec, worker, chunk_size: int, fetch_timeout_s: float) -> None:
+        self.spec = spec
+        self.worker = worker
+        self.shard: StoreShard = worker.shard
+        self.layout = worker.layout
+        self.bs = self.layout.block_size
+        # Chunks start on block boundaries so that each (page, layer) byte
+        # range is written to the decode node exactly once.
+        self.chunk_size = max(self.bs, chunk_size - chunk_size % self.bs)
+        self.fetch_timeout_s = fetch_timeout_s
+        self.cancelled = False
+        self.pinned_keys: list[int] = []      # released at the end (tail first)
+        self.private_pages: list[int] = []    # freed at the end
+        self.sends: list[asyncio.Task] = []
+        self.stream_log: list[tuple[int, int, float]] = []  # (chunk_end, layer, sent_at)
+
+    # -- step 1 -------------------------------------------------------------
+    async def _load_prefix(self, result: PrefillResult) -> list[int]:
+        spec, shard = self.spec, self.shard
+        pages = shard.acquire_prefix(spec.block_keys, spec.token_ids)
+        self.pinned_keys = list(spec.block_keys[:len(pages)])
+        result.local_hit_tokens = len(pages) * self.bs
+        want = min(spec.fetch_to_block, len(spec.block_keys))
+        if spec.fetch_source_url and want > len(pages):
+            t0 = time.perf_counter()
+            try:
+                fetched = await asyncio.wait_for(self._fetch(len(pages), want), self.fetch_timeout_s)
+                pages += fetched
+                result.fetched_tokens = len(fetched) * self.bs
+            except (PrefillFailed, TransferError, StoreFullError, LookupError, aiohttp.ClientError,
+                    asyncio.TimeoutError, OSError) as exc:
+                result.fetch_failed = f"{type(exc).__name__}: {exc}"
+                log.warning("%s: prefix fetch from %s failed, recomputing: %s",
+                            spec.request_id, spec.fetch_source_url, result.fetch_failed)
+            result.timings["fetch_s"] = time.perf_counter() - t0
+        return pages
+
+    async def _fetch(self, first: int, end: int) -> list[int]:
+        """READ blocks [first, end) from the peer into local pages; publish them."""
+        spec, shard, engine = self.spec, self.shard, self.worker.engine
+        http = self.worker.http
+        keys = spec.block_keys[first:end]
+        async with http.post(spec.fetch_source_url.rstrip("/") + "/internal/store/lease",
+                             json={"keys": keys, "ttl_s": self.fetch_timeout_s + 5}) as resp:
+            if resp.status != 200:
+                raise PrefillFailed(f"lease refused: HTTP {resp.status}")
+            lease = await resp.json()
+        try:
+            remote_pages = lease["pages"]
+            if not remote_pages:
+                raise PrefillFailed("peer no longer holds the prefix")
+            local = shard.allocate(len(remote_pages))
+            self.private_pages += local
+            pb = self.layout.page_bytes
+            await engine.transfer([
+                TransferRequest(TransferOp.READ, self.worker.region_id, self.layout.page_offset(lp), pb,
+                                lease["segment"], rp * pb, lease["region"])
+                for lp, rp in zip(local, remote_pages)])
+        finally:
+            async with http.post(spec.fetch_source_url.rstrip("/") + "/internal/store/release",
+                                 json={"lease_id": lease["lease_id"]}) as resp:
+                await resp.read()
+        pages = []
+        for i, page in enumerate(local):
+            b = first + i
+            published = shard.publish(keys[i], page, spec.token_ids[b * self.bs:(b + 1) * self.bs],
+                                      pin=True)
+            self.pinned_keys.append(keys[i])
+            if published.stored:
+                self.private_pages.remove(page)
+            pages.append(published.page)
+        return pages
+
+    # -- step 3: KV streaming -------------------------------------------------
+    def _send(self, block_table: list[int], first_block: int, end_block: int,
+              layers: tuple[int, int] | None) -> None:
+        """Queue WRITEs of blocks [first_block, end_block) to the decode node's pages;
+        whole pages when ``layers`` is None, else that layer range of each page."""
+        spec, layout = self.spec, self.layout
+        requests = []
+        for b in range(first_block, end_block):
+            if layers is None:
+                local_off, length = layout.page_offset(block_table[b]), layout.page_bytes
+                remote_off = layout.page_offset(spec.decode_pages[b])
+            else:
+                local_off, length = layout.layer_range_span(block_table[b], *layers)
+                remote_off = layout.layer_range_span(spec.decode_pages[b], *layers)[0]
+            requests.append(TransferRequest(TransferOp.WRITE, self.worker.region_id, local_off, length,
+                                            spec.decode_segment, remote_off, spec.decode_region))
+        if not requests:
+            return
+        if spec.decode_segment == self.worker.engine.name:
+            # Colocated: the "decode node" is this node; copy between our own pages.
+            buf = self.shard.buffer
+            for r in requests:
+                buf[r.target_offset:r.target_offset + r.length] = buf[r.local_offset:r.local_offset + r.length]
+            return
+        self.sends.append(asyncio.ensure_future(self.worker.engine.transfer(requests)))
+
+    # -- the whole job --------------------------------------------------------
+    async def run(self) -> PrefillResult:
+        spec, shard, bs = self.spec, self.shard, self.bs
+        n = len(spec.token_ids)
+        loop = asyncio.get_running_loop()
+        result = PrefillResult(first_token=-1, logprob=0.0)
+        t_start = time.perf_counter()
+        try:
+            prefix_pages = await self._load_prefix(result)
+            # At least the last prompt token is computed (it yields the logits).
+            usable = min(len(prefix_pages), (n - 1) // bs)
+            if usable < len(prefix_pages):
+                shard.release(self.pinned_keys[usable:])
+                del self.pinned_keys[usable:]
+                dropped = (len(prefix_pages) - usable) * bs
+                result.fetched_tokens -= min(result.fetched_tokens, dropped)
+                result.local_hit_tokens = min(result.local_hit_tokens, usable * bs)
+                prefix_pages = prefix_pages[:usable]
+            cached = usable * bs
+            new_pages = shard.allocate(-(-n // bs) - usable)
+            self.private_pages += new_pages
+            table = prefix_pages + new_pages
+            self._send(table, 0, usable, None)
+
+            def layer_hook(start: int, end: int, layer: int) -> None:
+                # Runs on the compute thread: hand the send to the loop.
+                if self.cancelled:
+                    raise PrefillCancelled()
+                loop.call_soon_threadsafe(self._send, table, start // bs, -(-end // bs), (layer, layer + 1))
+                self.stream_log.append((end, layer, time.perf_counter()))
+
+            t_compute = time.perf_counter()
+            logits = await self.worker.compute(self._prefill, table, cached, layer_hook)
+            result.timings["compute_s"] = time.perf_counter() - t_compute
+            result.computed_tokens = n - cached
+            result.first_token, result.logprob = sample(logits, spec.sampling,
+                                                        spec.sampling.make_generator())
+            self._publish_new_blocks(table, usable)
+            t_wait = time.perf_counter()
+            await asyncio.gather(*self.sends)
+            result.timings["transfer_wait_s"] = time.perf_counter() - t_wait
+            if self.stream_log:
+                result.timings["first_layer_sent_s"] = self.stream_log[0][2] - t_compute
+            result.timings["total_s"] = time.perf_counter() - t_start
+            return result
+        finally:
+            await self._cleanup()
+
+    def _prefill(self, table: list[int], cached: int, hook) -> Any:
+        return self.worker.runner.prefill(self.spec.token_ids, table, cached,
+                                          chunk_size=self.chunk_size, layer_hook=hook)
+
+    def _publish_new_blocks(self, table: list[int], first_new: int) -> None:
+        spec, bs = self.spec, self.bs
+        for b in range(first_new, len(spec.block_keys)):
+            page = table[b]
+            published = self.shard.publish(spec.block_keys[b], page,
+                                           spec.token_ids[b * bs:(b + 1) * bs], pin=True)
+            self.pinned_keys.append(spec.block_keys[b])
+            if published.stored:
+                self.private_pages.remove(page)
+
+    async def _cleanup(self) -> None:
+        # In-flight sends read our pages: they must end before pages are released.
+        if self.sends:
+            for task in self.sends:
+                if not task.done() and self.cancelled:
+                    task.cancel()
+            await asyncio.gather(*self.sends, return_exceptions=True)
+        if self.pinned_keys:
+            self.shard.release(self.pinned_keys)
+            self.pinned_keys = []
+        if self.private_pages:
+            self.shard.free(self.private_pages)
+            self.private_pages = []

@@ -1,0 +1,107 @@
+"""Leases on cached blocks, so a peer can READ them with the transfer engine.
+
+A peer that wants our blocks asks for a lease on their keys: we pin the
+longest prefix of those keys we hold (pinned blocks are never evicted or
+overwritten) and answer with their page ids; the peer READs the pages
+one-sided and then releases the lease.  A lease the peer never releases
+(it died) expires after its TTL, so nothing stays pinned forever.
+
+POST /internal/store/lease    {keys: [...], ttl_s}  -> {lease_id, pages, region, segment}
+POST /internal/store/release  {lease_id}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from kvstore.shard import StoreShard
+from mooncaked.errors import ApiError, json_response, read_json
+
+log = logging.getLogger("mooncaked.leases")
+MAX_TTL_S = 120.0
+
+
+@dataclass
+class Lease:
+    keys: list[int]
+    expires_at: float
+
+
+class LeaseTable:
+    def __init__(self, shard: StoreShard) -> None:
+        self.shard = shard
+        self.leases: dict[int, Lease] = {}
+        self._ids = itertools.count(1)
+
+    def grant(self, keys: list[int], ttl_s: float, now: float) -> tuple[int, list[int]]:
+        pages = self.shard.acquire_prefix(keys)
+        lease_id = next(self._ids)
+        self.leases[lease_id] = Lease(keys[:len(pages)], now + ttl_s)
+        return lease_id, pages
+
+    def release(self, lease_id: int) -> bool:
+        lease = self.leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        self.shard.release(lease.keys)
+        return True
+
+    def expire(self, now: float) -> int:
+        expired = [i for i, lease in self.leases.items() if lease.expires_at <= now]
+        for lease_id in expired:
+            self.release(lease_id)
+        return len(expired)
+
+    def release_all(self) -> None:
+        for lease_id in list(self.leases):
+            self.release(lease_id)
+
+
+LEASES = web.AppKey("leases", LeaseTable)
+
+
+def add_lease_routes(app: web.Application, worker) -> None:
+    async def lease(request: web.Request) -> web.Response:
+        body = await read_json(request, 8 << 20)
+        keys = body.get("keys") if isinstance(body, dict) else None
+        if not isinstance(keys, list) or not all(isinstance(k, int) for k in keys):
+            raise ApiError(400, "keys must be a list of integer block keys")
+        ttl = float(body.get("ttl_s", 30.0))
+        if not 0 < ttl <= MAX_TTL_S:
+            raise ApiError(400, f"ttl_s must be in (0, {MAX_TTL_S}]")
+        lease_id, pages = request.app[LEASES].grant(keys, ttl, time.monotonic())
+        return json_response({"lease_id": lease_id, "pages": pages, "region": worker.region_id,
+                              "segment": worker.engine.name})
+
+    async def release(request: web.Request) -> web.Response:
+        body = await read_json(request, 1 << 16)
+        lease_id = body.get("lease_id") if isinstance(body, dict) else None
+        if not isinstance(lease_id, int):
+            raise ApiError(400, "lease_id must be an integer")
+        return json_response({"released": request.app[LEASES].release(lease_id)})
+
+    async def leases_ctx(app: web.Application):
+        table = LeaseTable(worker.shard)
+        app[LEASES] = table
+
+        async def expire_loop() -> None:
+            while True:
+                await asyncio.sleep(1.0)
+                n = table.expire(time.monotonic())
+                if n:
+                    log.warning("%d block lease(s) expired unreleased (peer gone?)", n)
+
+        task = asyncio.create_task(expire_loop(), name="lease-expiry")
+        yield
+        task.cancel()
+        table.release_all()
+
+    app.router.add_post("/internal/store/lease", lease)
+    app.router.add_post("/internal/store/release", release)
+    app.cleanup_ctx.append(leases_ctx)

@@ -1,0 +1,124 @@
+"""The resources every prefill/decode node owns, opened and closed together.
+
+Opening order (each step needs the one before):
+ 1. model weights (they fix the KV page shape),
+ 2. the store shard: one registered buffer carved into pages,
+ 3. the model runner, viewing those same pages as a tensor (no copy),
+ 4. the transfer engine, with the shard buffer registered as one region,
+    so peers READ cached blocks from it and WRITE streamed KV into it.
+Model compute runs on one dedicated thread (torch releases the GIL), so the
+event loop keeps serving HTTP and moving KV while a prefill or decode step
+computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
+
+import aiohttp
+from aiohttp import web
+
+from kvstore.metrics import register_store_metrics
+from kvstore.shard import StoreShard
+from model.config import page_layout
+from model.runner import ModelRunner, configure_torch, kv_pages_view
+from model.weights import load_weights
+from rdma.engine import TransferEngine
+
+log = logging.getLogger("mooncaked.worker")
+T = TypeVar("T")
+
+
+class WorkerNode:
+    def __init__(self, ctx) -> None:  # ctx: mooncaked.context.NodeContext
+        self.ctx = ctx
+        self.config = ctx.config
+        self.compute_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.http: aiohttp.ClientSession | None = None
+        self.shard: StoreShard | None = None
+        self.runner: ModelRunner | None = None
+        self.engine: TransferEngine | None = None
+        self.region_id = 0
+
+    async def open(self) -> None:
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        configure_torch(cfg.model)
+        # Loading weights is heavy: keep the loop free while it runs.
+        weights = await loop.run_in_executor(self.compute_pool, load_weights, cfg.model)
+        self.layout = page_layout(weights.config, cfg.store.block_size, cfg.model.dtype)
+        self.shard = StoreShard(cfg.store, self.layout)
+        self.runner = ModelRunner(weights, kv_pages_view(self.shard.buffer, self.layout))
+        self.model_config = weights.config
+        register_store_metrics(self.shard, self.ctx.metrics)
+        self.engine = TransferEngine(cfg.transfer, self.ctx.node_id)
+        await self.engine.start()
+        self.region_id = self.engine.register_local_memory(self.shard.buffer, "cpu:0").id
+        self.engine.set_resolver(self._resolve_segment)
+        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        self.ctx.transfer_descriptor = self.engine.segment_descriptor()
+        self.ctx.capacity.update({
+            "pages": self.shard.num_pages, "block_size": self.layout.block_size,
+            "page_bytes": self.layout.page_bytes, "kv_bytes_per_token": self.layout.kv_bytes_per_token,
+            "layout": self.layout.to_dict(), "region": self.region_id,
+        })
+        self.ctx.status_providers["store"] = lambda: self.shard.stats().to_dict()
+        self.ctx.status_providers["transfer"] = self.engine.stats
+        log.info("worker ready in %.2fs: model %s (%d layers), %d pages of %d tokens (%.1f MiB), "
+                 "transfer %s", time.perf_counter() - t0, cfg.model.model, weights.config.num_layers,
+                 self.shard.num_pages, self.layout.block_size,
+                 self.shard.num_pages * self.layout.page_bytes / 2**20,
+                 self.engine.segment_descriptor().get("transport"))
+
+    async def _resolve_segment(self, name: str) -> dict:
+        """Peers' transfer segments come from the conductor's registry."""
+        assert self.http is not None
+        node = self.config.node
+        headers = {"Authorization": f"Bearer {node.cluster_token}"} if node.cluster_token else {}
+        async with self.http.get(f"{node.conductor_url.rstrip('/')}/internal/segments/{name}",
+                                 headers=headers, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            if resp.status != 200:
+                raise LookupError(f"segment {name!r} unknown to the conductor (HTTP {resp.status})")
+            return await resp.json()
+
+    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run model work on the compute thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.compute_pool, fn, *args)
+
+    async def close(self) -> None:
+        if self.http is not None:
+            await self.http.close()
+        if self.engine is not None:
+            await self.engine.close()
+        self.compute_pool.shutdown(wait=True, cancel_futures=True)
+        if self.shard is not None:
+            self.runner = None  # drop the tensor view before unmapping the buffer
+            try:
+                self.shard.close()
+            except BufferError:
+                log.warning("store buffer still referenced at exit; left to the OS")
+
+
+WORKER = web.AppKey("worker", WorkerNode)
+
+
+def add_worker_resources(app: web.Application, ctx) -> WorkerNode:
+    worker = WorkerNode(ctx)
+    app[WORKER] = worker
+
+    async def resources(app: web.Application):
+        try:
+            await worker.open()
+        except Exception:
+            await worker.close()
+            raise
+        yield
+        await worker.close()
+
+    app.cleanup_ctx.append(resources)
+    return worker

@@ -1,0 +1,253 @@
+"""From backend token events to OpenAI response bodies and SSE chunks.
+
+``ChoiceRun`` drives one backend generator (one choice): incremental,
+UTF-8-safe detokenization, stop strings, the ``max_tokens`` cap, logprobs,
+usage counts and timings. The functions below it build the JSON shapes of
+/v1/completions and /v1/chat/completions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from model.sampling import StopStringChecker
+from model.tokenizer import IncrementalDetokenizer
+from roles.conductor.openai_types import (GenerationRequest, GenEvent, RequestRecord, Scheduled,
+                                          Token, TokenizerLike)
+
+
+@dataclass
+class LogprobEntry:
+    token: str  # the token alone, decoded with specials shown ("\ufffd" for a partial character)
+    logprob: float | None
+    offset: int  # characters of the completion text produced before this token
+
+
+@dataclass
+class Piece:
+    """Output of one choice that is ready to send."""
+
+    index: int
+    text: str
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class ChoiceRun:
+    """One generation: call ``start`` (admission), then ``next_piece`` until it
+    returns None; ``close`` is idempotent and always safe (call it in a finally).
+
+    Invariants: text is emitted only once it is complete UTF-8 and cannot be
+    the start of a stop string; at most ``req.max_tokens`` tokens are counted;
+    the backend generator is closed as soon as this choice is finished.
+    """
+
+    def __init__(self, req: GenerationRequest, gen: AsyncGenerator[GenEvent, None],
+                 tokenizer: TokenizerLike) -> None:
+        self.req = req
+        self._gen = gen
+        self._tok = tokenizer
+        self._detok = IncrementalDetokenizer(tokenizer)  # type: ignore[arg-type]
+        self._stops = StopStringChecker(req.stop)
+        self._pending: Token | None = None
+        self._echo = req.echo
+        self._closed = False
+        self._entries: list[LogprobEntry] = []
+        self._decoded_chars = 0  # detokenizer output so far (before stop trimming)
+        self.trace: dict[str, Any] = {}
+        self.text_parts: list[str] = []  # everything emitted (echo included)
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.token_times: list[float] = []  # time.monotonic() of each token event
+        self.logprob_entries: list[LogprobEntry] = []  # all of them (non-stream bodies)
+
+    async def start(self) -> dict[str, Any]:
+        """Wait for the backend's first event; returns the trace. Raises whatever
+        the backend raises when it rejects the request."""
+        try:
+            first = await self._gen.__anext__()
+        except StopAsyncIteration:
+            self.finish_reason = "stop"  # nothing to generate
+            await self.close()
+            return self.trace
+        if isinstance(first, Scheduled):
+            self.trace = dict(first.trace)
+        elif isinstance(first, Token):  # a backend that skipped Scheduled: tolerate it
+            self._pending = first
+        return self.trace
+
+    async def next_piece(self) -> Piece | None:
+        """The next piece of output, or None once the choice is finished."""
+        if self._echo:
+            self._echo = False
+            text = self.req.prompt_text
+            if text is None:
+                text = self._tok.decode(self.req.prompt_token_ids)
+            self.text_parts.append(text)
+            return Piece(self.req.index, text)
+        while self.finish_reason is None:
+            if self._pending is not None:
+                event, self._pending = self._pending, None
+            else:
+                try:
+                    event = await self._gen.__anext__()
+                except StopAsyncIteration:
+                    # Ended without a finish_reason: infer one.
+                    finish = "length" if self.completion_tokens >= self.req.max_tokens else "stop"
+                    return await self._finish(self._detok.flush(), finish)
+            if not isinstance(event, Token):
+                continue  # only one Scheduled is meaningful; ignore repeats
+            piece = await self._on_token(event)
+            if piece is not None:
+                return piece
+        return None
+
+    async def _on_token(self, event: Token) -> Piece | None:
+        now = time.monotonic()
+        self.token_times.append(now)
+        self.completion_tokens += 1
+        self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
+        if self.req.logprobs is not None:
+            self._entries.append(LogprobEntry(
+                self._tok.decode([event.token_id], skip_special=False), event.logprob,
+                self._decoded_chars))
+        delta = self._detok.add(event.token_id)
+        finish = event.finish_reason
+        if finish is None and self.completion_tokens >= self.req.max_tokens:
+            finish = "length"  # the backend overran max_tokens: cut it here
+        if finish is not None:
+            return await self._finish(delta + self._detok.flush(), finish)
+        self._decoded_chars += len(delta)
+        text, hit = self._stops.feed(delta)
+        if hit:
+            return await self._finish_piece(text, "stop")
+        return self._piece(text) if text else None
+
+    async def _finish(self, delta: str, finish: str) -> Piece:
+        self._decoded_chars += len(delta)
+        text, hit = self._stops.feed(delta)
+        if hit:
+            finish = "stop"
+        else:
+            text += self._stops.flush()
+        return await self._finish_piece(text, finish)
+
+    async def _finish_piece(self, text: str, finish: str) -> Piece:
+        self.finish_reason = finish
+        await self.close()
+        piece = self._piece(text)
+        piece.finish_reason = finish
+        return piece
+
+    def _piece(self, text: str) -> Piece:
+        self.text_parts.append(text)
+        entries, self._entries = self._entries, []
+        self.logprob_entries += entries
+        return Piece(self.req.index, text, entries)
+
+    async def close(self) -> None:
+        """Close the backend generator (cancellation for the backend if it was
+        still producing). Safe to call any number of times."""
+        if not self._closed:
+            self._closed = True
+            await self._gen.aclose()
+
+    def record(self, status: int, error: str | None = None) -> RequestRecord:
+        times = self.token_times
+        end = times[-1] if times else time.monotonic()
+        return RequestRecord(
+            request_id=self.req.request_id, kind=self.req.kind, status=status,
+            prompt_tokens=len(self.req.prompt_token_ids), cached_tokens=self.cached_tokens,
+            completion_tokens=self.completion_tokens, finish_reason=self.finish_reason,
+            ttft_s=times[0] - self.req.arrival_s if times else None,
+            itl_s=[b - a for a, b in zip(times, times[1:])],
+            e2e_s=(end if error is None else time.monotonic()) - self.req.arrival_s,
+            trace=self.trace, error=error)
+
+
+# ---- JSON shapes -------------------------------------------------------------
+
+def usage(runs: Sequence[ChoiceRun]) -> dict[str, Any]:
+    prompt = sum(len(r.req.prompt_token_ids) for r in runs)
+    completion = sum(r.completion_tokens for r in runs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in runs)}}
+
+
+def _token_bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", errors="surrogatepass"))
+
+
+def completion_logprobs(entries: Sequence[LogprobEntry]) -> dict[str, Any]:
+    # Only the chosen token is known: top_logprobs holds just it.
+    return {"tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{e.token: e.logprob} for e in entries],
+            "text_offset": [e.offset for e in entries]}
+
+
+def chat_logprobs(entries: Sequence[LogprobEntry], top: int) -> dict[str, Any]:
+    content = []
+    for e in entries:
+        item = {"token": e.token, "logprob": e.logprob, "bytes": _token_bytes(e.token)}
+        item["top_logprobs"] = [dict(item)] if top > 0 else []
+        content.append(item)
+    return {"content": content}
+
+
+def _logprobs(kind: str, req: GenerationRequest, entries: Sequence[LogprobEntry]) -> Any:
+    if req.logprobs is None:
+        return None
+    return chat_logprobs(entries, req.logprobs) if kind == "chat" else completion_logprobs(entries)
+
+
+def completion_body(http_id: str, created: int, model: str,
+                    runs: Sequence[ChoiceRun]) -> dict[str, Any]:
+    choices = [{"index": r.req.index, "text": "".join(r.text_parts),
+                "logprobs": _logprobs("completion", r.req, r.logprob_entries),
+                "finish_reason": r.finish_reason} for r in runs]
+    return {"id": http_id, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage(runs)}
+
+
+def chat_body(http_id: str, created: int, model: str, runs: Sequence[ChoiceRun]) -> dict[str, Any]:
+    choices = [{"index": r.req.index,
+                "message": {"role": "assistant", "content": "".join(r.text_parts)},
+                "logprobs": _logprobs("chat", r.req, r.logprob_entries),
+                "finish_reason": r.finish_reason} for r in runs]
+    return {"id": http_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage(runs)}
+
+
+def chunk(kind: str, http_id: str, req: GenerationRequest, piece: Piece,
+          first: bool) -> dict[str, Any]:
+    """One SSE chunk for ``piece``; ``first``: the choice's first chunk (chat
+    sends the assistant role in it)."""
+    logprobs = _logprobs(kind, req, piece.logprobs)
+    if kind == "chat":
+        delta: dict[str, Any] = {"role": "assistant", "content": piece.text} if first else \
+            ({"content": piece.text} if piece.text else {})
+        choice = {"index": piece.index, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": piece.finish_reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": piece.index, "text": piece.text, "logprobs": logprobs,
+                  "finish_reason": piece.finish_reason}
+        obj = "text_completion"
+    out = {"id": http_id, "object": obj, "created": req.created, "model": req.model,
+           "choices": [choice]}
+    if req.include_usage:
+        out["usage"] = None  # OpenAI: null on every chunk but the usage one
+    return out
+
+
+def usage_chunk(kind: str, http_id: str, req: GenerationRequest,
+                runs: Sequence[ChoiceRun]) -> dict[str, Any]:
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return {"id": http_id, "object": obj, "created": req.created, "model": req.model,
+            "choices": [], "usage": usage(runs)}

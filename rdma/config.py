@@ -15,10 +15,10 @@ def _default_nics() -> list[str]:
 class TransferConfig:
     # "auto" = rdma when pyverbs finds a device, else tcp (one log line says so).
     transport: str = "auto"
-    # Local "NICs". For tcp: IPv4/IPv6 addresses to listen on and to bind
-    # outgoing connections to (one listener per address). For rdma: device
-    # names (e.g. "mlx5_0"); the tcp control channel still uses the first
-    # address in ``control_hosts`` / 127.0.0.1.
+    # Local "NICs" for tcp: IPv4/IPv6 addresses to listen on and to bind
+    # outgoing connections to (one listener per address). With rdma the
+    # NICs are the devices (``rdma_devices``) and the listener on nics[0]
+    # carries the QP exchange (control channel).
     nics: list[str] = field(default_factory=_default_nics)
     # First listen port; NIC i listens on port + i. 0 = ephemeral ports.
     port: int = 0
@@ -50,6 +50,13 @@ class TransferConfig:
     # Optional topology override: {location: [[preferred nics], [secondary nics]]}.
     # Empty = discover (rdma: sysfs NUMA affinity; tcp: every nic preferred).
     topology: dict = field(default_factory=dict)
+    # rdma only: devices to use (empty = every device found), port, GID
+    # index (RoCEv2 usually needs the index of the IPv4-mapped GID) and how
+    # many empty CQ polls to spin through before sleeping on the channel.
+    rdma_devices: list[str] = field(default_factory=list)
+    rdma_port: int = 1
+    rdma_gid_index: int = 0
+    busy_poll_budget: int = 16
     # Largest slice a listener accepts in one frame (guards against absurd lengths).
     max_frame_bytes: int = 256 << 20
 
@@ -75,6 +82,8 @@ class TransferConfig:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
         if self.user_timeout_ms < 0:
             raise ValueError(f"user_timeout_ms must be >= 0, got {self.user_timeout_ms}")
+        if self.rdma_port < 1 or self.rdma_gid_index < 0 or self.busy_poll_budget < 0:
+            raise ValueError("rdma_port must be >= 1, rdma_gid_index and busy_poll_budget >= 0")
         if self.max_frame_bytes < 1:
             raise ValueError(f"max_frame_bytes must be >= 1, got {self.max_frame_bytes}")
         if self.slice_bytes > self.max_frame_bytes:
@@ -85,8 +94,10 @@ class TransferConfig:
             if (not isinstance(lists, list) or len(lists) != 2
                     or not all(isinstance(x, list) for x in lists)):
                 raise ValueError(f"topology[{loc!r}] must be [[preferred], [secondary]], got {lists!r}")
-            unknown = {n for x in lists for n in x} - set(self.nics)
-            if unknown:
+            unknown = {n for x in lists for n in x} - set(self.nics) - set(self.rdma_devices)
+            # (with transport="rdma" and no rdma_devices the devices are only
+            # known after discovery, so names are checked then)
+            if unknown and not (self.transport == "rdma" and not self.rdma_devices):
                 raise ValueError(f"topology[{loc!r}] names nics not in nics: {sorted(unknown)}")
             if not lists[0]:
                 raise ValueError(f"topology[{loc!r}] needs at least one preferred nic")

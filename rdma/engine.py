@@ -25,13 +25,15 @@ from .config import TransferConfig
 from .endpoint_pool import SievePool
 from .slices import Path, PathTable
 from .tcp import EndpointError, TcpEndpoint, TcpListener
-from .topology import Topology
+from .topology import Topology, discover_matrix
+from .verbs import RdmaEndpoint, VerbsTransport
 from .types import BatchId, Region, TransferRequest, TransferState, TransferStatus, TransferError
 
 log = logging.getLogger(__name__)
 
 Resolver = Callable[[str], Awaitable[dict]]
 EpKey = tuple[str, Path, int]  # (segment, path, connection index)
+Endpoint = TcpEndpoint | RdmaEndpoint  # same duck-typed interface
 
 
 class _RequestFailed(Exception):
@@ -80,7 +82,7 @@ class TransferEngine:
         self._resolver: Resolver | None = None
         self._batches: dict[BatchId, _Batch] = {}
         self._next_batch = 1
-        self._pool: SievePool[EpKey, TcpEndpoint] = SievePool(config.max_endpoints, self._evicted)
+        self._pool: SievePool[EpKey, Endpoint] = SievePool(config.max_endpoints, self._evicted)
         self._connecting: dict[EpKey, asyncio.Future] = {}
         self._slots: dict[tuple[str, Path], asyncio.Semaphore] = {}
         self.paths = PathTable(config.nic_backoff_s, config.nic_backoff_max_s)
@@ -92,6 +94,8 @@ class TransferEngine:
         self._watchdog: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.slice_bytes = 0
+        self._verbs: VerbsTransport | None = None
+        self._rdma_keys: dict[int, dict] = {}
 
     # -- lifecycle -------------------------------------------------------
     async def start(self) -> None:
@@ -106,17 +110,24 @@ class TransferEngine:
                 log.info("no RDMA here (%s); using tcp", why)
                 transport = "tcp"
             else:
-                # The verbs data path is written (verbs.py) but not wired as an
-                # engine transport yet; tcp keeps working everywhere.
-                log.info("RDMA device found but the verbs transport is not wired; using tcp")
-                transport = "tcp"
+                self._verbs = verbs.VerbsTransport(self._loop, list(self.config.rdma_devices),
+                                                   self.config.rdma_port, self.config.rdma_gid_index,
+                                                   self.config.busy_poll_budget)
+                for region in self.regions.values():
+                    self._rdma_keys[region.id] = self._verbs.register(region)
         self.transport = transport
         self.slice_bytes = self.config.effective_slice_bytes(transport)
-        self.topology = Topology(self.config.topology or {"*": [list(self.config.nics), []]})
+        if self._verbs is not None:
+            devs = list(self._verbs.devices)
+            self.topology = Topology(self.config.topology or discover_matrix(devs))
+            self.nic_bytes = {d: 0 for d in devs}
+        else:
+            self.topology = Topology(self.config.topology or {"*": [list(self.config.nics), []]})
         for i, host in enumerate(self.config.nics):
             port = self.config.port + i if self.config.port else 0
             lst = TcpListener(host, port, self.name, self.regions, self.config.auth_token,
-                              self.config.user_timeout_ms, self.config.max_frame_bytes)
+                              self.config.user_timeout_ms, self.config.max_frame_bytes,
+                              qp_acceptor=self._verbs.accept_qp if self._verbs is not None else None)
             lst.start()
             self._listeners.append(lst)
         self._watchdog = asyncio.create_task(self._watch())
@@ -133,6 +144,9 @@ class TransferEngine:
         for lst in self._listeners:
             await asyncio.to_thread(lst.close)
         self._listeners.clear()
+        if self._verbs is not None:
+            self._verbs.close()
+            self._verbs = None
 
     async def __aenter__(self) -> "TransferEngine":
         await self.start()
@@ -148,22 +162,32 @@ class TransferEngine:
         view = _as_view(buffer)
         region = Region(self._next_region, len(view), location, view)
         self._next_region += 1
+        if self._verbs is not None:
+            self._rdma_keys[region.id] = self._verbs.register(region)
         self.regions[region.id] = region
         return region
 
     def unregister_local_memory(self, region_id: int) -> None:
         if self.regions.pop(region_id, None) is None:
             raise KeyError(f"no region {region_id}")
+        self._rdma_keys.pop(region_id, None)
+        if self._verbs is not None:
+            self._verbs.unregister(region_id)
 
     def segment_descriptor(self) -> dict:
         """JSON-serialisable description peers need to reach our regions."""
-        return {
-            "name": self.name,
-            "transport": self.transport,
-            "regions": [r.describe() for r in self.regions.values()],
-            "nics": [{"name": lst.host, "host": lst.host, "port": lst.port} for lst in self._listeners],
-            "topology": self.topology.to_dict(),
-        }
+        regions = [r.describe() for r in self.regions.values()]
+        if self._verbs is not None:
+            # rdma: each device is a NIC reached through the control listener;
+            # each region carries its address and rkey on every device.
+            ctl = self._listeners[0]
+            nics = [{"name": d, "host": ctl.host, "port": ctl.port} for d in self._verbs.devices]
+            for r in regions:
+                r["rdma"] = self._rdma_keys.get(r["id"], {})
+        else:
+            nics = [{"name": lst.host, "host": lst.host, "port": lst.port} for lst in self._listeners]
+        return {"name": self.name, "transport": self.transport, "regions": regions, "nics": nics,
+                "topology": self.topology.to_dict()}
 
     def add_segment(self, desc: dict) -> None:
         for k in ("name", "regions", "nics", "topology"):
@@ -340,7 +364,7 @@ class TransferEngine:
                         # The path failed while we queued for it: go elsewhere.
                         raise EndpointError(self.paths.health[(seg, path)].last_reason or "path backing off")
                     ep = await self._endpoint(seg, desc, path)
-                    fut = ep.post(req.op, req.target_region, s.remote_offset, view)
+                    fut = ep.post(req.op, req.target_region, s.remote_offset, view, local.id, s.local_offset)
                     await fut
             except EndpointError as e:
                 last, avoid = str(e), path
@@ -363,10 +387,10 @@ class TransferEngine:
                              f"{self.config.max_retries + 1} times; last error: {last}")
 
     # -- endpoints -------------------------------------------------------------
-    async def _endpoint(self, seg: str, desc: dict, path: Path) -> TcpEndpoint:
+    async def _endpoint(self, seg: str, desc: dict, path: Path) -> Endpoint:
         """Least-busy live connection of ``path``; opens another one (up to
         connections_per_peer) when all existing ones are busy."""
-        best: TcpEndpoint | None = None
+        best: Endpoint | None = None
         free_idx = None
         for idx in range(self.config.connections_per_peer):
             key = (seg, path, idx)
@@ -386,7 +410,7 @@ class TransferEngine:
             return best
         return await self._connect((seg, path, free_idx), desc, path)
 
-    async def _connect(self, key: EpKey, desc: dict, path: Path) -> TcpEndpoint:
+    async def _connect(self, key: EpKey, desc: dict, path: Path) -> Endpoint:
         fut = self._connecting.get(key)
         if fut is not None:
             return await asyncio.shield(fut)
@@ -396,9 +420,17 @@ class TransferEngine:
             nic = next((n for n in desc["nics"] if n["name"] == path[1]), None)
             if nic is None:
                 raise EndpointError(f"segment {desc['name']!r} has no nic {path[1]!r}")
-            ep = TcpEndpoint(self._loop, path[0], nic["host"], nic["port"], self.config.auth_token,
-                             desc["name"], self.config.user_timeout_ms, self.config.connect_timeout_s,
-                             on_fail=self._endpoint_failed)
+            ep: Endpoint
+            if self._verbs is not None:
+                if desc.get("transport") != "rdma":
+                    raise EndpointError(f"segment {desc['name']!r} speaks {desc.get('transport')}, not rdma")
+                ep = RdmaEndpoint(self._loop, self._verbs, path[0], path[1], nic["host"], nic["port"],
+                                  self.config.auth_token, desc, self.config.user_timeout_ms,
+                                  self.config.connect_timeout_s, on_fail=self._endpoint_failed)
+            else:
+                ep = TcpEndpoint(self._loop, path[0], nic["host"], nic["port"], self.config.auth_token,
+                                 desc["name"], self.config.user_timeout_ms, self.config.connect_timeout_s,
+                                 on_fail=self._endpoint_failed)
             ep.pool_key = key  # type: ignore[attr-defined]
             try:
                 await ep.connect()
@@ -419,7 +451,7 @@ class TransferEngine:
         finally:
             del self._connecting[key]
 
-    def _endpoint_failed(self, ep: TcpEndpoint, reason: str, penalize: bool = True) -> None:
+    def _endpoint_failed(self, ep: Endpoint, reason: str, penalize: bool = True) -> None:
         key = ep.pool_key  # type: ignore[attr-defined]
         if self._pool.get(key) is ep:
             self._pool.remove(key)
@@ -428,7 +460,7 @@ class TransferEngine:
             self.paths.failure(key[0], key[1], reason)
             log.warning("endpoint %s -> %s failed: %s", key[1][0], key[1][1], reason)
 
-    def _evicted(self, key: EpKey, ep: TcpEndpoint) -> None:
+    def _evicted(self, key: EpKey, ep: Endpoint) -> None:
         ep.retire()
 
     async def _watch(self) -> None:

@@ -15,7 +15,9 @@ Every operation is one fixed-size header, optionally followed by payload:
     40     16   tag    truncated HMAC-SHA256(session key, bytes 0..40)
 
 Requests: OP_WRITE header + ``length`` payload bytes -> OP_WRITE_ACK header;
-OP_READ header -> OP_READ_RESP header + ``length`` payload bytes.
+OP_READ header -> OP_READ_RESP header + ``length`` payload bytes;
+OP_QP_CONNECT header + JSON (rdma only) -> OP_QP_REPLY header + JSON, after
+which the connection stays open as the QP's liveness channel.
 A listener that meets anything it cannot accept (bad magic, version, op,
 tag, sequence, unknown region, out-of-bounds range) closes the connection
 before touching memory; there is no error frame, so a malicious peer learns
@@ -43,7 +45,10 @@ OP_READ = 1
 OP_WRITE = 2
 OP_READ_RESP = 3
 OP_WRITE_ACK = 4
+OP_QP_CONNECT = 5   # rdma control: JSON QP address in, OP_QP_REPLY + JSON out
+OP_QP_REPLY = 6
 REQUEST_OPS = (OP_READ, OP_WRITE)
+MAX_QP_INFO = 4096
 
 HEADER = struct.Struct("<4sBBHIIQQQ16s")
 HEADER_SIZE = HEADER.size  # 56

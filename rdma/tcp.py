@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import logging
 import queue
 import socket
@@ -77,8 +78,10 @@ class TcpListener:
     dict lookups are atomic and a Region is never mutated)."""
 
     def __init__(self, host: str, port: int, segment_name: str, regions: dict[int, Region],
-                 token: str, user_timeout_ms: int, max_frame_bytes: int) -> None:
+                 token: str, user_timeout_ms: int, max_frame_bytes: int,
+                 qp_acceptor: Callable[[dict], tuple[dict, Callable[[], None]]] | None = None) -> None:
         self.host = host
+        self.qp_acceptor = qp_acceptor
         self.segment_name = segment_name
         self.regions = regions
         self.token = token
@@ -134,6 +137,7 @@ class TcpListener:
                              name=f"tcp-serve-{addr[0]}:{addr[1]}").start()
 
     def _serve_conn(self, conn: socket.socket, addr: tuple) -> None:
+        cleanups: list[Callable[[], None]] = []
         try:
             conn.settimeout(10.0)  # handshake must not hold a thread forever
             key = frames.server_handshake(conn, self.token, self.segment_name)
@@ -146,6 +150,18 @@ class TcpListener:
                 op, _status, rid, off, length, seq = frames.unpack_header(key, bytes(hdr))
                 # Invariant: nothing below touches region memory unless every
                 # check passed; any failure closes the connection.
+                if op == frames.OP_QP_CONNECT and self.qp_acceptor is not None and seq == expect_seq:
+                    expect_seq += 1
+                    if length > frames.MAX_QP_INFO:
+                        raise FrameError("QP info too long")
+                    try:
+                        reply, cleanup = self.qp_acceptor(json.loads(frames.recv_bytes(conn, length)))
+                    except (ValueError, KeyError, TypeError) as e:
+                        raise FrameError(f"bad QP info: {e}") from None
+                    cleanups.append(cleanup)
+                    body = json.dumps(reply).encode()
+                    conn.sendall(frames.pack_header(key, frames.OP_QP_REPLY, 0, 0, len(body), seq) + body)
+                    continue
                 if op not in frames.REQUEST_OPS:
                     raise FrameError(f"op {op} is not a request")
                 if seq != expect_seq:
@@ -169,7 +185,14 @@ class TcpListener:
             log.warning("closing connection from %s: %s", addr[0], e)
         except (OSError, ConnectionError):
             pass  # peer went away; its side rebuilds on next use
+        except Exception as e:  # e.g. PyverbsRDMAError while building a QP
+            log.warning("closing connection from %s: %s: %s", addr[0], type(e).__name__, e)
         finally:
+            for cleanup in cleanups:  # the initiator's QP went away with this connection
+                try:
+                    cleanup()
+                except Exception:
+                    pass
             with self._lock:
                 self._conns.discard(conn)
             try:
@@ -242,7 +265,8 @@ class TcpEndpoint:
         for fn, name in ((self._send_loop, "send"), (self._recv_loop, "recv")):
             threading.Thread(target=fn, daemon=True, name=f"tcp-{name}-{self.remote_host}:{self.remote_port}").start()
 
-    def post(self, op: TransferOp, rid: int, offset: int, view: memoryview) -> asyncio.Future:
+    def post(self, op: TransferOp, rid: int, offset: int, view: memoryview, local_region: int = 0,
+             local_offset: int = 0) -> asyncio.Future:
         """Queue one slice; the future resolves when the target acknowledged it."""
         fut = self.loop.create_future()
         if self.failed is not None:

@@ -40,7 +40,8 @@ class LeaseTable:
         self._ids = itertools.count(1)
 
     def grant(self, keys: list[int], ttl_s: float, now: float) -> tuple[int, list[int]]:
-        pages = self.shard.acquire_prefix(keys)
+        # Peer reads are not prompt lookups: keep them out of the hit-rate metrics.
+        pages = self.shard.acquire_prefix(keys, count_query=False)
         lease_id = next(self._ids)
         self.leases[lease_id] = Lease(keys[:len(pages)], now + ttl_s)
         return lease_id, pages

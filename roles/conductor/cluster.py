@@ -124,7 +124,7 @@ class ClusterView:
         return {
             "policy": sched.policy.name,
             "indexed_blocks": sum(sched.index.blocks_on(n) for n in sched.prefill),
-            "prefill": {n: {"alive": s.alive, "queue_s": round(s.queue_time(time.monotonic()), 4),
+            "prefill": {n: {"alive": s.alive, "accepting": s.accepting, "queue_s": round(s.queue_time(time.monotonic()), 4),
                             "cached_blocks": sched.index.blocks_on(n)} for n, s in sched.prefill.items()},
             "decode": {n: {"alive": d.alive, "batch_size": d.batch_size, "free_pages": d.free_pages}
                        for n, d in sched.decode.items()},

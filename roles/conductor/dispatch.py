@@ -197,7 +197,8 @@ class Dispatcher:
                         decode_done, trace.status = True, "ok"
                     yield token
         except GeneratorExit:
-            trace.status = "cancelled"
+            if not decode_done:
+                trace.status = "cancelled"
             raise
         except ApiError as exc:
             trace.status = f"error {exc.status}"

@@ -164,7 +164,7 @@ class PrefillJob:
             self.pinned_keys.append(keys[i])
             if published.stored:
                 self.private_pages.remove(page)
-            pages.append(published.page)
+            pages.append(published.page_id)
         return pages
 
     # -- step 3: KV streaming -------------------------------------------------

@@ -1,0 +1,102 @@
+"""Real failures on a real cluster: kill -9 a prefill node mid-prefill and a
+decode node mid-decode; the client gets a clear error in bounded time, the
+survivors keep serving and nothing stays pinned or reserved."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import pytest
+
+from tests.cluster_helpers import complete, leaked, start_cluster, stream_lines
+from tests.nodes import get_json, wait_until
+
+# The default dummy model: slow enough on CPU that a long prefill is still
+# running when the node is killed.
+MODEL = "dummy"
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = start_cluster(tmp_path, prefill=2, decode=2, model=MODEL,
+                      extra=["store.capacity_bytes=134217728", "model.prefill_chunk=512"])
+    yield c
+    c.stop()
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def peers_alive(cluster) -> set[str]:
+    return {p["node_id"] for p in get_json(cluster.url + "/admin/status")[1]["peers"]}
+
+
+def test_kill_prefill_node_mid_prefill(cluster):
+    import threading
+
+    result: dict = {}
+
+    def send() -> None:
+        t0 = time.monotonic()
+        result["status"], result["body"] = complete(cluster.url, tokens(6000, seed=1), max_tokens=4,
+                                                    model=MODEL)
+        result["seconds"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    prefill_nodes = [c for c in cluster.children if c.role == "prefill"]
+
+    def running_on():
+        for node in prefill_nodes:
+            status = get_json(node.url + "/admin/status")[1]
+            if status.get("prefill", {}).get("queue_len"):
+                return node
+        return None
+
+    victim = wait_until(running_on, 30, interval=0.01, what="a prefill to start")
+    victim.proc.kill()
+    victim.proc.wait()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    if result["status"] != 200:  # the usual case: the prefill was cut short
+        assert result["status"] == 502
+        assert "prefill failed" in result["body"]["error"]["message"]
+    # The decode node's reservation was released by the conductor.
+    wait_until(lambda: not leaked(cluster), 15, what="reservations released")
+    wait_until(lambda: victim.name not in peers_alive(cluster), 10, what="victim marked dead")
+    status, body = complete(cluster.url, tokens(300, seed=2), max_tokens=4, model=MODEL)
+    assert status == 200, body
+    assert not leaked(cluster)
+
+
+def test_kill_decode_node_mid_decode(cluster):
+    body = {"model": MODEL, "prompt": tokens(200, seed=3), "max_tokens": 2000, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    resp = stream_lines(cluster.url, body, timeout=60)
+    decode_node = resp.headers["x-mooncaked-decode-node"]
+    victim = next(c for c in cluster.children if c.name == decode_node)
+    t_kill = None
+    events = []
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data: "):
+            continue
+        events.append(line[6:])
+        if len(events) == 3:
+            victim.proc.kill()
+            t_kill = time.monotonic()
+        if line == "data: [DONE]":
+            break
+    ended_after = time.monotonic() - t_kill
+    assert ended_after < 30
+    errors = [json.loads(e) for e in events if e.startswith("{") and '"error"' in e]
+    assert errors and "decode" in errors[0]["error"]["message"]
+    victim.proc.wait()
+    wait_until(lambda: victim.name not in peers_alive(cluster), 10, what="decode node marked dead")
+    status, body = complete(cluster.url, tokens(100, seed=4), max_tokens=5, model=MODEL)
+    assert status == 200, body
+    wait_until(lambda: not leaked(cluster), 10, what="prefill pins released")

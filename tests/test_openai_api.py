@@ -440,6 +440,20 @@ async def test_unknown_fields_are_ignored(api):
     assert data["usage"]["completion_tokens"] == 3
 
 
+async def test_large_body_is_parsed_off_the_loop():
+    # Bodies over 64 KiB are tokenized in a worker thread: same result.
+    backend, records = TinyBackend(), []
+    app = web.Application(middlewares=[error_middleware])
+    add_openai_routes(app, OPENAI_BACKEND, ApiLimits(max_request_bytes=1 << 20,
+                                                     max_tokens_default=4))
+    app[OPENAI_BACKEND] = backend
+    async with TestClient(TestServer(app)) as client:
+        _, small = await post(client, "/v1/completions", _base(prompt="abc", max_tokens=4))
+        _, big = await post(client, "/v1/completions",
+                            _base(prompt="abc", max_tokens=4, padding="x" * 100_000))
+        assert big["choices"][0]["text"] == small["choices"][0]["text"]
+
+
 async def test_backend_not_ready_is_503():
     async with TestClient(TestServer(make_app(None, []))) as client:
         resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": "a"})

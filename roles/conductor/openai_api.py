@@ -40,6 +40,7 @@ log = logging.getLogger("mooncaked.conductor.api")
 
 OPENAI_BACKEND = web.AppKey("openai_backend", GenerationBackend)
 CLIENT_GONE = 499  # status recorded when the client disconnected mid-stream (nginx's code)
+TOKENIZE_IN_THREAD_BYTES = 64 * 1024  # bodies above this are parsed in a worker thread
 MAX_TRACE_HEADER = 4096  # bytes of x-mooncaked-trace; a larger trace is cut to a marker
 
 OnRequestDone = Callable[[RequestRecord], None]
@@ -118,9 +119,14 @@ class _Routes:
         http_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         if kind == "chat":
-            reqs = [parse_chat(body, backend, self.limits, http_id, created, arrival)]
+            def parse() -> list[GenerationRequest]:
+                return [parse_chat(body, backend, self.limits, http_id, created, arrival)]
         else:
-            reqs = parse_completion(body, backend, self.limits, http_id, created, arrival)
+            def parse() -> list[GenerationRequest]:
+                return parse_completion(body, backend, self.limits, http_id, created, arrival)
+        # Tokenizing a long prompt takes milliseconds: keep it off the event loop.
+        big = (request.content_length or 0) > TOKENIZE_IN_THREAD_BYTES
+        reqs = await asyncio.to_thread(parse) if big else parse()
         runs = await self._admit(backend, reqs)
         headers = trace_headers(http_id, runs)
         if reqs[0].stream:

@@ -140,7 +140,7 @@ def _options(body: dict, backend: GenerationBackend, limits: ApiLimits, chat: bo
     if chat:
         want = get_bool(body, "logprobs")
         top = get_int(body, "top_logprobs", lo=0, hi=limits.max_logprobs)
-        if top is not None and not want:
+        if top and not want:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs",
                            code="invalid_value")
         logprobs = (top or 0) if want else None
@@ -265,6 +265,8 @@ def parse_completion(body: Any, backend: GenerationBackend, limits: ApiLimits, r
 
 def parse_messages(value: Any) -> list[dict]:
     """Chat messages as [{"role", "content": str}]; text content parts joined."""
+    if value is None:
+        raise ApiError(400, "'messages' is required", param="messages", code="missing_required")
     if not isinstance(value, list):
         raise _type_error("messages", "a list of message objects", value)
     if not value:

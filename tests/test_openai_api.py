@@ -165,7 +165,8 @@ async def post(client, path: str, body, status: int = 200):
     resp = await client.post(path, json=body)
     text = await resp.text()
     assert resp.status == status, text
-    return resp, (sse_events(text) if resp.content_type == "text/event-stream" else json.loads(text))
+    stream = resp.content_type == "text/event-stream"
+    return resp, (sse_events(text) if stream else json.loads(text))
 
 
 def assert_error(data: dict, status_type: str, param=None) -> None:
@@ -442,7 +443,7 @@ async def test_unknown_fields_are_ignored(api):
 
 async def test_large_body_is_parsed_off_the_loop():
     # Bodies over 64 KiB are tokenized in a worker thread: same result.
-    backend, records = TinyBackend(), []
+    backend = TinyBackend()
     app = web.Application(middlewares=[error_middleware])
     add_openai_routes(app, OPENAI_BACKEND, ApiLimits(max_request_bytes=1 << 20,
                                                      max_tokens_default=4))
@@ -452,6 +453,40 @@ async def test_large_body_is_parsed_off_the_loop():
         _, big = await post(client, "/v1/completions",
                             _base(prompt="abc", max_tokens=4, padding="x" * 100_000))
         assert big["choices"][0]["text"] == small["choices"][0]["text"]
+
+
+class SloppyBackend:
+    """Skips Scheduled, never sets finish_reason, ignores max_tokens."""
+
+    tokenizer = ByteTokenizer()
+    model_name = MODEL
+    max_model_len = MAX_MODEL_LEN
+
+    def __init__(self) -> None:
+        self.closed = 0
+
+    async def generate(self, req: GenerationRequest):
+        try:
+            for b in b"hi there":
+                yield Token(b)
+        finally:
+            self.closed += 1
+
+
+async def test_lenient_with_a_sloppy_backend():
+    backend = SloppyBackend()
+    app = web.Application(middlewares=[error_middleware])
+    add_openai_routes(app, OPENAI_BACKEND, LIMITS)
+    app[OPENAI_BACKEND] = backend
+    async with TestClient(TestServer(app)) as client:
+        resp, data = await post(client, "/v1/completions", {"prompt": "x", "max_tokens": 3})
+        assert (data["choices"][0]["text"], data["choices"][0]["finish_reason"]) == \
+            ("hi ", "length")
+        assert "x-mooncaked-trace" not in resp.headers and backend.closed == 1
+        _, data = await post(client, "/v1/completions", {"prompt": "x", "max_tokens": 20})
+        assert (data["choices"][0]["text"], data["choices"][0]["finish_reason"]) == \
+            ("hi there", "stop")
+        assert data["usage"]["completion_tokens"] == 8
 
 
 async def test_backend_not_ready_is_503():

@@ -48,7 +48,8 @@ OnRequestDone = Callable[[RequestRecord], None]
 
 def _header_value(value: Any) -> str:
     # Header values must be printable ASCII: node ids come from configs.
-    text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+    text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"),
+                                                           default=str)
     return "".join(c if " " <= c <= "~" else "?" for c in text)
 
 

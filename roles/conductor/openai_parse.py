@@ -177,16 +177,16 @@ def _prompts(body: dict, backend: GenerationBackend, limits: ApiLimits
     vocab = backend.tokenizer.vocab_size
     if prompt is None:
         raise ApiError(400, "'prompt' is required", param="prompt", code="missing_required")
+    is_list = isinstance(prompt, list)
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        items = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-        items = prompt
-    elif isinstance(prompt, list) and prompt and not any(isinstance(p, (list, str)) for p in prompt):
-        items = [prompt]  # one prompt of token ids
-    elif isinstance(prompt, list) and not prompt:
+    elif is_list and not prompt:
         raise ApiError(400, "'prompt' must not be empty", param="prompt", code="empty_prompt")
+    elif is_list and (all(isinstance(p, str) for p in prompt)
+                      or all(isinstance(p, list) for p in prompt)):
+        items = prompt  # several prompts: a batch
+    elif is_list and not any(isinstance(p, (list, str)) for p in prompt):
+        items = [prompt]  # one prompt of token ids (each checked below)
     else:
         raise _type_error("prompt", "a string, a list of strings, a list of token ids or a "
                                     "list of token-id lists", prompt)

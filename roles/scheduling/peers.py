@@ -58,8 +58,10 @@ class DynamoKVPolicy(Policy):
     queued) + decode blocks (blocks of active requests on it + this one's).
     Temperature 0 (default) takes the argmin; > 0 samples from
     softmax(-cost / temperature) over costs normalised to [0, 1].
-    Our prefill nodes do not decode; decode blocks = blocks of requests sent
-    and not yet through prefill, which is what their memory holds.
+    Our prefill nodes do not decode, and the policy context does not carry
+    per-node block counts, so two terms are approximated: queued prefill
+    blocks = the node's queued seconds / the time of one block, and decode
+    blocks = outstanding requests on the node x this request's blocks.
     """
 
     name = "dynamo_kv"

@@ -306,7 +306,10 @@ def parse_messages(value: Any) -> list[dict]:
 def chat_prompt_ids(messages: list[dict], backend: GenerationBackend) -> list[int]:
     try:
         return list(backend.tokenizer.apply_chat_template(messages))
-    except ValueError as exc:  # the template refused the conversation
+    # The template's raise_exception gives ValueError ("roles must alternate");
+    # jinja errors (TemplateError, TypeError on odd content) come from the
+    # conversation's shape as well: a client error either way.
+    except Exception as exc:  # noqa: BLE001
         raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages",
                        code="invalid_value") from None
 

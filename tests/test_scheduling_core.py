@@ -207,3 +207,22 @@ def test_no_prefill_nodes():
     r = s.schedule(req("r", 2), 0.0)
     assert isinstance(r, Rejection) and r.reason == "no_prefill_node"
     assert math.isinf(r.predicted_ttft_s)
+
+
+def test_draining_node_gets_no_prefill_but_still_serves_its_cache():
+    s = make_sched(threshold=1.5)
+    s.on_events("p0", 0, range(100, 110), [])
+    s.prefill["p0"].accepting = False
+    d = s.schedule(req("r", 10), now=0.0)
+    assert d.prefill_node != "p0"
+    assert d.transfer is not None and d.transfer.source == "p0"
+
+
+def test_cancelled_prefill_releases_booking_without_learning():
+    s = make_sched(policy="load_balance")
+    est = s.prefill_est
+    est.refit_every = 1
+    d = s.schedule(req("a", 4), now=0.0)
+    s.on_prefill_finished(d.prefill_node, "a", now=1.0, actual_seconds=0.0)
+    assert s.prefill[d.prefill_node].queue_time(1.0) == 0.0
+    assert not est.samples and s.estimator_error()["count"] == 0

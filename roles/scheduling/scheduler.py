@@ -171,11 +171,16 @@ class Scheduler:
 
     def on_prefill_finished(self, node: str, request_id: str, now: float,
                             actual_seconds: float) -> None:
-        """Prefill done (first token out): refit and record the TTFT error."""
-        self.prefill[node].pending.pop(request_id, None)
+        """Prefill done (first token out): refit and record the TTFT error.
+
+        `actual_seconds <= 0` means "no measurement" (cancelled or failed
+        prefill): the booking is released but nothing is learned from it.
+        """
+        if node in self.prefill:
+            self.prefill[node].pending.pop(request_id, None)
         self._outstanding[node] = max(0, self._outstanding.get(node, 0) - 1)
         inf = self.inflight.get(request_id)
-        if inf is None:
+        if inf is None or actual_seconds <= 0:
             return
         self.prefill_est.observe(inf.req.prompt_tokens, inf.decision.prefix_tokens,
                                  actual_seconds)

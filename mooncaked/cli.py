@@ -12,6 +12,7 @@ from mooncaked import __version__
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=False, rich_markup_mode=None,
+    pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
     help=("Mooncake-style disaggregated LLM serving. Run one node per process with "
           "--role, or a whole local cluster with `mooncaked up`."))
@@ -74,8 +75,11 @@ def node(
 
 
 def _register_subcommands() -> None:
-    from mooncaked import launcher
+    from mooncaked import launcher, tools
+    from mooncaked.simulate.command import register as register_simulate
     launcher.register(app)
+    register_simulate(app)
+    tools.register(app)
 
 
 def main() -> None:

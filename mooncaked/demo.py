@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import random
 import time
+import urllib.error
 import urllib.request
 
 QUESTIONS = [
@@ -35,9 +36,9 @@ def system_prompt(n_chars: int, seed: int) -> str:
     return "You are a helpful assistant. Context: " + " ".join(out) + "\n"
 
 
-def stream_completion(url: str, prompt: str, max_tokens: int) -> dict:
+def stream_completion(url: str, model: str, prompt: str, max_tokens: int) -> dict:
     """POST a streaming completion; returns TTFT, text and the server's trace headers."""
-    body = json.dumps({"model": "", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "stream": True, "stream_options": {"include_usage": True}}).encode()
     req = urllib.request.Request(url + "/v1/completions", data=body, method="POST",
                                  headers={"Content-Type": "application/json"})
@@ -73,12 +74,16 @@ def run_demo(url: str, prefix_chars: int = 6000, max_tokens: int = 16) -> list[d
     plan = [("cold: shared prefix, nothing cached", shared + QUESTIONS[0])]
     plan += [(f"reuse: shared prefix, question {i + 1}", shared + q) for i, q in enumerate(QUESTIONS[1:], 1)]
     plan.append(("control: unrelated prefix, same length", system_prompt(prefix_chars, seed=2) + QUESTIONS[0]))
-    print(f"\nmooncaked demo against {url} (model {model_name(url)}): "
+    model = model_name(url)
+    print(f"\nmooncaked demo against {url} (model {model}): "
           f"{len(plan)} requests, shared prefix of {len(shared)} characters\n")
     print(f"{'request':42} {'prefill node':>13} {'cached':>7} {'prompt':>7} {'TTFT ms':>9}")
     rows = []
     for label, prompt in plan:
-        r = stream_completion(url, prompt, max_tokens)
+        try:
+            r = stream_completion(url, model, prompt, max_tokens)
+        except urllib.error.HTTPError as exc:
+            raise RuntimeError(f"demo request failed: HTTP {exc.code}: {exc.read().decode(errors='replace')}") from None
         cached = r["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
         prompt_tokens = r["usage"].get("prompt_tokens", 0)
         print(f"{label:42} {r['prefill_node']:>13} {cached:>7} {prompt_tokens:>7} {r['ttft_s'] * 1000:>9.1f}")

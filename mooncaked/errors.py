@@ -17,7 +17,7 @@ log = logging.getLogger("mooncaked.http")
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
           422: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
-          503: "service_unavailable", 504: "timeout_error"}
+          502: "bad_gateway", 503: "service_unavailable", 504: "timeout_error"}
 
 
 class ApiError(Exception):

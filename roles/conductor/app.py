@@ -1,6 +1,8 @@
 """Conductor wiring: membership, cluster view + scheduler, dispatch, APIs.
 
-GET /admin/requests          recent requests with their timing breakdown
+GET  /admin/requests         recent requests with their timing breakdown
+POST /admin/cache/match      {"prompt": str | [ids]} or {"messages": [...]}: cached prefix
+                             tokens per prefill node, from the global index
 GET /admin/requests/{id}     one request's trace (?tokens=1 adds the output token ids)
 (OpenAI-compatible routes: roles.conductor.openai_api)
 """
@@ -14,7 +16,8 @@ from aiohttp import web
 
 from model.config import load_model_config
 from model.tokenizer import load_tokenizer
-from mooncaked.errors import ApiError, json_response
+from kvstore.keys import block_keys
+from mooncaked.errors import ApiError, json_response, read_json
 from roles.conductor.cluster import CLUSTER, ClusterView, add_cache_routes
 from roles.conductor.dispatch import Dispatcher
 from roles.conductor.membership_api import setup_membership
@@ -52,6 +55,27 @@ class ClusterBackend:
         return self.dispatcher.generate(req.request_id, req.prompt_token_ids, req.sampling)
 
 
+async def cache_match(request: web.Request) -> web.Response:
+    """Where is this prompt's prefix cached? (operators; the replication tests)"""
+    from roles.conductor.openai_parse import parse_tokenize
+
+    body = await read_json(request, 8 << 20)
+    backend = request.app[OPENAI_BACKEND]
+    if isinstance(body, dict) and isinstance(body.get("prompt"), list):
+        ids = body["prompt"]
+        if not all(isinstance(t, int) for t in ids):
+            raise ApiError(400, "prompt token ids must be integers")
+    else:
+        ids = parse_tokenize(body, backend)
+    cluster = request.app[CLUSTER]
+    if cluster.block_size is None:
+        return json_response({"prompt_tokens": len(ids), "nodes": {}})
+    keys = block_keys(ids, cluster.block_size, request.app[DISPATCHER].hash_seed)
+    blocks = cluster.scheduler.index.longest_prefix_per_node(keys)
+    return json_response({"prompt_tokens": len(ids), "block_size": cluster.block_size,
+                          "nodes": {n: b * cluster.block_size for n, b in sorted(blocks.items())}})
+
+
 def setup_conductor(app: web.Application, ctx) -> None:
     cfg = ctx.config
     registry = setup_membership(app, cfg.node.heartbeat_timeout_s)
@@ -85,6 +109,7 @@ def setup_conductor(app: web.Application, ctx) -> None:
     add_cache_routes(app)
     app.router.add_get("/admin/requests", list_requests)
     app.router.add_get("/admin/requests/{request_id}", get_request)
+    app.router.add_post("/admin/cache/match", cache_match)
 
     def nodes_status() -> list[dict]:
         now = time.monotonic()

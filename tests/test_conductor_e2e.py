@@ -1,0 +1,126 @@
+"""The conductor as users and operators meet it, on real local clusters (issue 7)."""
+
+from __future__ import annotations
+
+import json
+import random
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.cluster_helpers import complete, start_cluster, trace_of
+from tests.nodes import post_json
+
+SYSTEM_TOKENS = 160  # 10 full blocks of 16 tokens: the hot "system prompt"
+
+
+@pytest.fixture(scope="module")
+def mooncake(tmp_path_factory):
+    c = start_cluster(tmp_path_factory.mktemp("mooncake"), prefill=3, decode=1,
+                      extra=["conductor.max_prompt_tokens=2048"])
+    yield c
+    c.stop()
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def test_openai_client_completes_and_streams(mooncake):
+    openai = pytest.importorskip("openai", reason="the openai client is a test extra")
+    client = openai.OpenAI(base_url=mooncake.url + "/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    done = client.completions.create(model=model, prompt="Hello, Mooncake", max_tokens=5,
+                                     temperature=0)
+    assert done.usage.completion_tokens >= 1 and done.choices[0].finish_reason in ("stop", "length")
+    chunks = list(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi there"}], max_tokens=5,
+        temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens > 0
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi there"}],
+                                          max_tokens=5, temperature=0)
+    assert chat.choices[0].message.content == text
+
+
+def _raw_post(url: str, data: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=data, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.mark.parametrize("body,status", [
+    (b'{"model": "tiny", "prompt": "x", "max_tokens": ', 400),            # malformed JSON
+    (b'{"model": "tiny", "prompt": 42}', 400),                            # wrong type
+    (b'{"model": "gpt-17", "prompt": "hello"}', 404),                     # unknown model
+    (b'{"model": "tiny", "prompt": ""}', 400),                            # empty prompt
+    (json.dumps({"model": "tiny", "prompt": [1] * 3000}).encode(), 413),  # over max_prompt_tokens
+    (b'{"model": "tiny", "prompt": "hello", "max_tokens": -3}', 400),     # negative max_tokens
+])
+def test_bad_requests_get_json_errors_and_the_cluster_keeps_serving(mooncake, body, status):
+    got, err = _raw_post(mooncake.url + "/v1/completions", body)
+    assert got == status and set(err["error"]) >= {"message", "type"}
+    assert "Traceback" not in err["error"]["message"]
+    ok, _ = complete(mooncake.url, tokens(20, seed=status), max_tokens=3)
+    assert ok == 200
+
+
+def burst(url: str, system: list[int], n: int, seed: int) -> list[dict]:
+    prompts = [system + tokens(24, seed=seed + i) for i in range(n)]
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        results = list(pool.map(lambda p: complete(url, p, max_tokens=2), prompts))
+    assert all(status == 200 for status, _ in results), results
+    return [trace_of(url, body) for _, body in results]
+
+
+def test_hot_prefix_is_replicated_to_every_prefill_node(mooncake):
+    system = tokens(SYSTEM_TOKENS, seed=99)
+    complete(mooncake.url, system + tokens(8, seed=1), max_tokens=2)  # first holder
+    traces = []
+    for round_ in range(4):  # bounded: a few bursts of 8 concurrent requests
+        traces += burst(mooncake.url, system, 8, seed=100 + 10 * round_)
+        _, where = post_json(mooncake.url + "/admin/cache/match", {"prompt": system})
+        if len([n for n, t in where["nodes"].items() if t >= SYSTEM_TOKENS]) == 3:
+            break
+    assert {n: t for n, t in where["nodes"].items() if t >= SYSTEM_TOKENS}.keys() == \
+        {"prefill-0", "prefill-1", "prefill-2"}, where
+    # Replication happened by pulling, not by recomputing the prefix.
+    assert sum(t["fetched_tokens"] for t in traces) >= 2 * SYSTEM_TOKENS
+    assert all(t["cached_tokens"] >= SYSTEM_TOKENS for t in traces)
+
+
+def test_local_cache_aware_never_transfers_and_reuses_less(tmp_path):
+    local = start_cluster(tmp_path, prefill=3, decode=1, extra=["conductor.policy=local_cache_aware"])
+    try:
+        system = tokens(SYSTEM_TOKENS, seed=7)
+        complete(local.url, system + tokens(8, seed=1), max_tokens=2)
+        traces = burst(local.url, system, 8, seed=500)
+    finally:
+        local.stop()
+    assert all(t["fetched_tokens"] == 0 and t["transfer_planned_from"] is None for t in traces)
+    # Under `mooncake` every request of such a burst reuses the whole system
+    # prompt (test above); here a node without it recomputes it.
+    assert {t["policy"] for t in traces} == {"local_cache_aware"}
+
+
+def test_predicted_slo_miss_is_rejected_with_429(tmp_path):
+    strict = start_cluster(tmp_path, prefill=1, decode=1, extra=["conductor.ttft_slo_s=0.000001"])
+    try:
+        status, body = complete(strict.url, tokens(40, seed=3), max_tokens=3)
+        assert status == 429 and body["error"]["code"] == "ttft_slo"
+        req = urllib.request.Request(strict.url + "/v1/completions", method="POST",
+                                     data=json.dumps({"model": "tiny", "prompt": [1, 2, 3]}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=30)
+        assert err.value.code == 429 and int(err.value.headers["Retry-After"]) >= 1
+        with urllib.request.urlopen(strict.url + "/metrics", timeout=10) as resp:
+            assert 'mooncaked_rejections_total{reason="ttft_slo"} 2.0' in resp.read().decode()
+    finally:
+        strict.stop()

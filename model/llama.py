@@ -96,11 +96,17 @@ def write_kv(kv_pages: torch.Tensor, layer: int, pages: torch.Tensor, slots: tor
 def gather_kv(kv_pages: torch.Tensor, layer: int, block_table: torch.Tensor,
               length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V of positions [0, length) of one request, each [kv_heads, length, hd]."""
-    block_size = kv_pages.shape[3]
-    num_blocks = -(-length // block_size)
-    g = kv_pages[block_table[:num_blocks], layer]  # [nb, 2, bs, kvh, hd]: a copy
-    kv = g.transpose(0, 1).reshape(2, num_blocks * block_size, *g.shape[-2:])[:, :length]
-    return kv[0].transpose(0, 1), kv[1].transpose(0, 1)
+    num_blocks = -(-length // kv_pages.shape[3])
+    # Index a [2, kvh, pages, bs, hd] view, so the one gathering copy comes
+    # out in the layout attention wants.
+    kv = _pages_by_head(kv_pages, layer)[:, :, block_table[:num_blocks]]
+    kv = kv.flatten(2, 3)[:, :, :length]  # [2, kvh, length, hd]
+    return kv[0], kv[1]
+
+
+def _pages_by_head(kv_pages: torch.Tensor, layer: int) -> torch.Tensor:
+    """A [2, kv_heads, num_pages, block_size, head_dim] view of one layer."""
+    return kv_pages[:, layer].permute(1, 3, 0, 2, 4)
 
 
 def prefix_causal_mask(n: int, start: int, dtype: torch.dtype,
@@ -155,11 +161,12 @@ def decode_layer(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer: int,
     q, k, v = _qkv(rms_norm(x, w.attn_norm, c.rms_eps), w, c, cos, sin)
     page_of_token = block_tables.gather(1, (positions // block_size)[:, None])[:, 0]
     write_kv(kv_pages, layer, page_of_token, positions % block_size, k, v)
-    g = kv_pages[block_tables, layer]  # [B, nb, 2, bs, kvh, hd]
-    kv = g.permute(2, 0, 4, 1, 3, 5).reshape(2, bsz, c.num_kv_heads, -1, c.head_dim)
+    kv = _pages_by_head(kv_pages, layer)[:, :, block_tables]  # [2, kvh, B, nb, bs, hd]: a copy
+    kv = kv.transpose(1, 2).flatten(3, 4)  # [2, B, kvh, S, hd]
     # Slots past a request's end (stale pages, padding) may hold any bytes,
-    # even NaN patterns: zero them, since a masked NaN still poisons softmax@V.
-    kv = torch.where(valid[None, :, None, :, None], kv, 0)
+    # even NaN patterns: zero them in our copy, since a masked NaN still
+    # poisons softmax @ V.
+    kv.masked_fill_(~valid[None, :, None, :, None], 0)
     out = F.scaled_dot_product_attention(
         q[:, :, None, :], kv[0], kv[1], attn_mask=valid[:, None, None, :],
         enable_gqa=True)  # [B, heads, 1, hd]

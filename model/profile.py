@@ -9,8 +9,10 @@ prefix KV from pages ~ p. So we fit
     t(n, p) = c0 + c1*n + c2*n^2 + c3*n*p + c4*p      (seconds)
 
 with n = input_len - prefix_len, by least squares weighted for relative
-error and with every c >= 0 (each term is a cost). The JSON format is in
-docs/model.md; ``PrefillProfile.load(path).predict(input_len, prefix_len)``.
+error and with every c >= 0 (each term is a cost). The JSON holds them as
+``"coeffs": {"c0", "n", "n2", "np", "p"}`` (the conductor's estimator reads
+that table; format in docs/model.md);
+``PrefillProfile.load(path).predict(input_len, prefix_len)``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from model.runner import ModelRunner, configure_torch
 from model.weights import TORCH_DTYPES, load_weights
 
 FORMAT = "mooncaked-prefill-profile/1"
-FEATURES = ["1", "n", "n^2", "n*p", "p"]
+# Names of the terms 1, n, n^2, n*p, p (the conductor's POLY_TERMS).
+FEATURES = ["c0", "n", "n2", "np", "p"]
 
 
 def features(n_new: float, prefix: float) -> list[float]:
@@ -56,15 +59,17 @@ class PrefillProfile:
         return float(np.dot(self.coefficients, features(input_len - prefix, prefix)))
 
     def to_dict(self) -> dict:
-        return {"format": FORMAT, "features": FEATURES, "coefficients": self.coefficients,
+        return {"format": FORMAT, "coeffs": dict(zip(FEATURES, self.coefficients)),
                 **self.meta}
 
     @classmethod
     def from_dict(cls, d: dict) -> "PrefillProfile":
-        if d.get("format") != FORMAT or d.get("features") != FEATURES:
+        coeffs = d.get("coeffs")
+        if d.get("format") != FORMAT or not isinstance(coeffs, dict) \
+                or set(coeffs) - set(FEATURES):
             raise ValueError(f"not a {FORMAT} file (format={d.get('format')!r})")
-        meta = {k: v for k, v in d.items() if k not in ("format", "features", "coefficients")}
-        return cls([float(c) for c in d["coefficients"]], meta)
+        meta = {k: v for k, v in d.items() if k not in ("format", "coeffs")}
+        return cls([float(coeffs.get(name, 0.0)) for name in FEATURES], meta)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")

@@ -44,8 +44,12 @@ def test_run_measures_fits_and_writes_the_file(tmp_path):
                   "torch_threads": 1})
     on_disk = json.loads(out.read_text())
     assert on_disk == json.loads(json.dumps(result))
-    assert on_disk["features"] == FEATURES and len(on_disk["samples"]) == 9
+    assert list(on_disk["coeffs"]) == FEATURES and len(on_disk["samples"]) == 9
     prof = PrefillProfile.load(out)
+    # The conductor's estimator reads the same table.
+    estimators = pytest.importorskip("roles.scheduling.estimators")
+    est = estimators.PolynomialPrefillEstimator(on_disk["coeffs"])
+    assert est.seconds(160, 80) == pytest.approx(prof.predict(160, 80))
     assert all(c >= 0 for c in prof.coefficients)
     assert prof.predict(160, 0) > 0
     assert prof.meta["model"] == "tiny" and prof.meta["block_size"] == 16

@@ -7,19 +7,17 @@ from dataclasses import dataclass
 
 @dataclass
 class PrefillSection:
-    # Prompts whose uncached suffix exceeds this many tokens are computed in
-    # chunks (the paper pipelines inputs above ~1000 uncached tokens).
-    chunk_threshold: int = 1024
-    # Tokens computed per prefill step when batching queued requests.
-    batch_tokens: int = 4096
+    # Reuse cached prefixes and keep new blocks (the store shard as a cache).
+    # false = recompute every prompt in full: the "no prefix caching" baseline.
+    prefix_cache: bool = True
     # Largest number of requests waiting in the prefill queue (503 above).
     max_queue: int = 256
     # Give up on a peer prefix fetch after this long and recompute instead.
     fetch_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.chunk_threshold <= 0 or self.batch_tokens <= 0 or self.max_queue <= 0:
-            raise ValueError("prefill.chunk_threshold, batch_tokens and max_queue must be positive")
+        if self.max_queue <= 0:
+            raise ValueError("prefill.max_queue must be positive")
         if self.fetch_timeout_s <= 0:
             raise ValueError("prefill.fetch_timeout_s must be positive")
 

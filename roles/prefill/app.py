@@ -58,7 +58,7 @@ def add_prefill_service(app: web.Application, ctx, worker) -> None:
     async def service(app: web.Application):
         cfg = ctx.config
         svc = PrefillService(worker, cfg.model.prefill_chunk, cfg.prefill.max_queue,
-                             cfg.prefill.fetch_timeout_s)
+                             cfg.prefill.fetch_timeout_s, cfg.prefill.prefix_cache)
         pusher = CacheEventPusher(worker.shard, worker.http, cfg.node.conductor_url, ctx.node_id,
                                   cfg.node.cluster_token)
         app[PREFILL] = svc

@@ -94,7 +94,8 @@ class PrefillResult:
 
 
 class PrefillJob:
-    def __init__(self, spec: PrefillSpec, worker, chunk_size: int, fetch_timeout_s: float) -> None:
+    def __init__(self, spec: PrefillSpec, worker, chunk_size: int, fetch_timeout_s: float,
+                 prefix_cache: bool = True) -> None:
         self.spec = spec
         self.worker = worker
         self.shard: StoreShard = worker.shard
@@ -104,6 +105,8 @@ class PrefillJob:
         # range is written to the decode node exactly once.
         self.chunk_size = max(self.bs, chunk_size - chunk_size % self.bs)
         self.fetch_timeout_s = fetch_timeout_s
+        # Without the prefix cache nothing is looked up, fetched or kept.
+        self.prefix_cache = prefix_cache
         self.cancelled = False
         self.pinned_keys: list[int] = []      # released at the end (tail first)
         self.private_pages: list[int] = []    # freed at the end
@@ -113,6 +116,8 @@ class PrefillJob:
     # -- step 1 -------------------------------------------------------------
     async def _load_prefix(self, result: PrefillResult) -> list[int]:
         spec, shard = self.spec, self.shard
+        if not self.prefix_cache:
+            return []
         pages = shard.acquire_prefix(spec.block_keys, spec.token_ids)
         self.pinned_keys = list(spec.block_keys[:len(pages)])
         result.local_hit_tokens = len(pages) * self.bs
@@ -230,7 +235,8 @@ class PrefillJob:
             result.computed_tokens = n - cached
             result.first_token, result.logprob = sample(logits, spec.sampling,
                                                         spec.sampling.make_generator())
-            self._publish_new_blocks(table, usable)
+            if self.prefix_cache:
+                self._publish_new_blocks(table, usable)
             t_wait = time.perf_counter()
             await asyncio.gather(*self.sends)
             result.timings["transfer_wait_s"] = time.perf_counter() - t_wait

@@ -31,11 +31,13 @@ class QueueFull(Exception):
 
 
 class PrefillService:
-    def __init__(self, worker, chunk_size: int, max_queue: int, fetch_timeout_s: float) -> None:
+    def __init__(self, worker, chunk_size: int, max_queue: int, fetch_timeout_s: float,
+                 prefix_cache: bool = True) -> None:
         self.worker = worker
         self.chunk_size = chunk_size
         self.max_queue = max_queue
         self.fetch_timeout_s = fetch_timeout_s
+        self.prefix_cache = prefix_cache
         self.queue: asyncio.Queue[_Queued] = asyncio.Queue()
         self.jobs: dict[str, PrefillJob] = {}
         self.running: _Queued | None = None
@@ -66,7 +68,7 @@ class PrefillService:
             raise QueueFull(f"prefill queue full ({self.max_queue} requests)")
         if spec.request_id in self.jobs:
             raise ValueError(f"request {spec.request_id} is already queued here")
-        job = PrefillJob(spec, self.worker, self.chunk_size, self.fetch_timeout_s)
+        job = PrefillJob(spec, self.worker, self.chunk_size, self.fetch_timeout_s, self.prefix_cache)
         item = _Queued(job, len(spec.token_ids), time.perf_counter())
         self.jobs[spec.request_id] = job
         self.queued_tokens += item.tokens

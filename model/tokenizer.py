@@ -101,7 +101,6 @@ class HFTokenizer:
         self.bos_token = _token_str(cfg.get("bos_token"))
         self.eos_token = _token_str(cfg.get("eos_token"))
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
-        self.add_bos_default = bool(cfg.get("add_bos_token", False))
         eos: list[int] = []
         if self.eos_token and self._tok.token_to_id(self.eos_token) is not None:
             eos.append(self._tok.token_to_id(self.eos_token))
@@ -120,10 +119,10 @@ class HFTokenizer:
         self._template = _compile_template(template) if template else None
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        if add_bos and self.bos_token_id is not None:
-            ids = [self.bos_token_id] + ids
-        return ids
+        """add_bos: add what the tokenizer itself adds to a plain text (its
+        post-processor: <|begin_of_text|> for LLaMA 3, nothing for SmolLM2),
+        as HF's ``add_special_tokens=True`` does."""
+        return self._tok.encode(text, add_special_tokens=add_bos).ids
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)

@@ -55,11 +55,12 @@ def test_incremental_detokenizer_streams_the_full_text(text):
 
 @pytest.fixture()
 def hf_dir(tmp_path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tk = Tokenizer(models.BPE(unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
+    tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>",
                                                                   "<|im_start|>", "<|im_end|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -80,7 +81,8 @@ def test_hf_tokenizer(hf_dir):
     assert isinstance(tok, HFTokenizer)
     assert tok.eos_token_ids == [2, 4] and tok.vocab_size == 320
     ids = tok.encode("hello world", add_bos=True)
-    assert ids[0] == 1 and tok.decode(ids) == "hello world"
+    assert ids[0] == 1 and tok.decode(ids) == "hello world"  # the post-processor's <s>
+    assert tok.encode("hello world", add_bos=False) == ids[1:]
     chat = tok.apply_chat_template([{"role": "user", "content": "hello"}])
     assert chat[0] == 3 and 4 in chat
     assert tok.decode(chat, skip_special=False) == \

@@ -124,3 +124,17 @@ def test_predicted_slo_miss_is_rejected_with_429(tmp_path):
             assert 'mooncaked_rejections_total{reason="ttft_slo"} 2.0' in resp.read().decode()
     finally:
         strict.stop()
+
+
+def test_operator_replicates_a_prefix_to_more_nodes(mooncake):
+    from tests.cluster_helpers import ADMIN
+
+    prompt = tokens(64, seed=4242)
+    assert complete(mooncake.url, prompt + [1, 2, 3], max_tokens=2)[0] == 200
+    assert post_json(mooncake.url + "/admin/cache/replicate", {"prompt": prompt, "replicas": 3})[0] == 401
+    status, body = post_json(mooncake.url + "/admin/cache/replicate",
+                             {"prompt": prompt, "replicas": 3}, ADMIN)
+    assert status == 200, body
+    assert all(r["held_tokens"] == 64 and not r["error"] for r in body["replicated"].values())
+    _, where = post_json(mooncake.url + "/admin/cache/match", {"prompt": prompt})
+    assert sorted(n for n, t in where["nodes"].items() if t == 64) == ["prefill-0", "prefill-1", "prefill-2"]

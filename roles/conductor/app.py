@@ -3,6 +3,8 @@
 GET  /admin/requests         recent requests with their timing breakdown
 POST /admin/cache/match      {"prompt": str | [ids]} or {"messages": [...]}: cached prefix
                              tokens per prefill node, from the global index
+POST /admin/cache/replicate  {"prompt": ..., "replicas": n} (bearer admin_token): make n
+                             prefill nodes hold the prompt's prefix, pulling it from a holder
 GET /admin/requests/{id}     one request's trace (?tokens=1 adds the output token ids)
 (OpenAI-compatible routes: roles.conductor.openai_api)
 """
@@ -17,7 +19,8 @@ from aiohttp import web
 from model.config import load_model_config
 from model.tokenizer import load_tokenizer
 from kvstore.keys import block_keys
-from mooncaked.errors import ApiError, json_response, read_json
+from mooncaked.context import CTX
+from mooncaked.errors import ApiError, json_response, read_json, require_bearer
 from roles.conductor.cluster import CLUSTER, ClusterView, add_cache_routes
 from roles.conductor.dispatch import Dispatcher
 from roles.conductor.membership_api import setup_membership
@@ -55,18 +58,21 @@ class ClusterBackend:
         return self.dispatcher.generate(req.request_id, req.prompt_token_ids, req.sampling)
 
 
-async def cache_match(request: web.Request) -> web.Response:
-    """Where is this prompt's prefix cached? (operators; the replication tests)"""
+def _prompt_ids(body, backend) -> list[int]:
     from roles.conductor.openai_parse import parse_tokenize
 
-    body = await read_json(request, 8 << 20)
-    backend = request.app[OPENAI_BACKEND]
     if isinstance(body, dict) and isinstance(body.get("prompt"), list):
         ids = body["prompt"]
         if not all(isinstance(t, int) for t in ids):
             raise ApiError(400, "prompt token ids must be integers")
-    else:
-        ids = parse_tokenize(body, backend)
+        return ids
+    return parse_tokenize(body, backend)
+
+
+async def cache_match(request: web.Request) -> web.Response:
+    """Where is this prompt's prefix cached? (operators; the replication tests)"""
+    body = await read_json(request, 8 << 20)
+    ids = _prompt_ids(body, request.app[OPENAI_BACKEND])
     cluster = request.app[CLUSTER]
     if cluster.block_size is None:
         return json_response({"prompt_tokens": len(ids), "nodes": {}})
@@ -74,6 +80,36 @@ async def cache_match(request: web.Request) -> web.Response:
     blocks = cluster.scheduler.index.longest_prefix_per_node(keys)
     return json_response({"prompt_tokens": len(ids), "block_size": cluster.block_size,
                           "nodes": {n: b * cluster.block_size for n, b in sorted(blocks.items())}})
+
+
+async def cache_replicate(request: web.Request) -> web.Response:
+    """The operator's change_replica: make n prefill nodes hold a hot prefix."""
+    require_bearer(request, request.app[CTX].config.node.admin_token, "POST /admin/cache/replicate")
+    body = await read_json(request, 8 << 20)
+    replicas = body.get("replicas") if isinstance(body, dict) else None
+    if not isinstance(replicas, int) or replicas < 1:
+        raise ApiError(400, "replicas must be a positive integer", param="replicas")
+    ids = _prompt_ids(body, request.app[OPENAI_BACKEND])
+    cluster, dispatcher = request.app[CLUSTER], request.app[DISPATCHER]
+    if cluster.block_size is None:
+        raise ApiError(503, "no prefill nodes have joined yet")
+    keys = block_keys(ids, cluster.block_size, dispatcher.hash_seed)
+    if not keys:
+        raise ApiError(400, f"the prompt has no full block of {cluster.block_size} tokens")
+    held = cluster.scheduler.index.longest_prefix_per_node(keys)
+    live = [r for r in cluster.registry.alive() if r.role in ("prefill", "colocated")]
+    holders = sorted((r for r in live if held.get(r.node_id, 0) == len(keys)), key=lambda r: r.node_id)
+    if not holders:
+        raise ApiError(409, "no live prefill node holds the whole prefix: send a request with it first")
+    targets = [r for r in live if held.get(r.node_id, 0) < len(keys)][:max(0, replicas - len(holders))]
+    results = {}
+    for i, target in enumerate(targets):
+        source = holders[i % len(holders)]
+        answer = await dispatcher.call_node(target.url + "/internal/store/prefetch", {
+            "token_ids": ids[:len(keys) * cluster.block_size], "block_keys": keys,
+            "source_url": source.url}, f"prefetch on {target.node_id}", timeout=60)
+        results[target.node_id] = {"from": source.node_id, **answer}
+    return json_response({"holders_before": [r.node_id for r in holders], "replicated": results})
 
 
 def setup_conductor(app: web.Application, ctx) -> None:
@@ -110,6 +146,7 @@ def setup_conductor(app: web.Application, ctx) -> None:
     app.router.add_get("/admin/requests", list_requests)
     app.router.add_get("/admin/requests/{request_id}", get_request)
     app.router.add_post("/admin/cache/match", cache_match)
+    app.router.add_post("/admin/cache/replicate", cache_replicate)
 
     def nodes_status() -> list[dict]:
         now = time.monotonic()

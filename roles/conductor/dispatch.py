@@ -91,7 +91,7 @@ class Dispatcher:
         while len(self.traces) > self.keep_traces:
             self.traces.popitem(last=False)
 
-    async def _post(self, url: str, body: dict, what: str, timeout: float | None = None) -> dict:
+    async def call_node(self, url: str, body: dict, what: str, timeout: float | None = None) -> dict:
         try:
             async with self.http.post(url, data=orjson.dumps(body), headers={
                     **self.headers, "Content-Type": "application/json"},
@@ -157,7 +157,7 @@ class Dispatcher:
                 raise ApiError(503, "the chosen node just left the cluster; retry",
                                headers={"Retry-After": "1"})
             t = time.perf_counter()
-            reservation = await self._post(decode.url + "/internal/decode/reserve", {
+            reservation = await self.call_node(decode.url + "/internal/decode/reserve", {
                 "request_id": request_id, "total_tokens": len(token_ids) + sampling.max_tokens},
                 "reserving KV pages on the decode node", timeout=10)
             reserved = True
@@ -177,7 +177,7 @@ class Dispatcher:
             if source is not None:
                 body["fetch"] = {"source_url": source.url, "to_block": decision.transfer.to_block}
             sched.on_prefill_started(decision.prefill_node, request_id, time.monotonic())
-            result = await self._post(prefill.url + "/internal/prefill", body, "prefill")
+            result = await self.call_node(prefill.url + "/internal/prefill", body, "prefill")
             prefill_done = True
             self._account_prefill(trace, result, decision, source)
             trace.ttft_s = time.perf_counter() - t0

@@ -12,7 +12,7 @@ from aiohttp import web
 from kvstore.shard import StoreFullError
 from mooncaked.errors import ApiError, json_response, read_json
 from roles.cache_sync import CacheEventPusher
-from roles.prefill.job import PrefillCancelled, PrefillSpec
+from roles.prefill.job import PrefillCancelled, PrefillSpec, prefetch
 from roles.prefill.service import PrefillService, QueueFull
 from roles.store_leases import add_lease_routes
 from roles.worker import add_membership
@@ -47,6 +47,21 @@ async def prefill(request: web.Request) -> web.Response:
     return json_response(result.to_json())
 
 
+async def prefetch_blocks(request: web.Request) -> web.Response:
+    """POST /internal/store/prefetch {token_ids, block_keys, source_url}: replicate a prefix here."""
+    worker = request.app[WORKER]
+    body = await read_json(request, 64 << 20)
+    try:
+        tokens, keys, source = body["token_ids"], body["block_keys"], str(body["source_url"])
+        if len(keys) != len(tokens) // worker.layout.block_size:
+            raise ValueError("block_keys must hold one key per full block")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ApiError(400, f"bad prefetch request: {exc}") from None
+    held, error = await prefetch(worker, source, tokens, keys, request.app[PREFILL].fetch_timeout_s)
+    await request.app[PUSHER].flush()
+    return json_response({"held_tokens": held, "error": error})
+
+
 async def cancel(request: web.Request) -> web.Response:
     body = await read_json(request, 1 << 16)
     return json_response({"cancelled": request.app[PREFILL].cancel(str(body.get("request_id")))})
@@ -75,6 +90,7 @@ def add_prefill_service(app: web.Application, ctx, worker) -> None:
     add_lease_routes(app, worker)
     app.router.add_post("/internal/prefill", prefill)
     app.router.add_post("/internal/prefill/cancel", cancel)
+    app.router.add_post("/internal/store/prefetch", prefetch_blocks)
 
 
 def setup_prefill(app: web.Application, ctx) -> None:

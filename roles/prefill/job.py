@@ -274,3 +274,21 @@ class PrefillJob:
         if self.private_pages:
             self.shard.free(self.private_pages)
             self.private_pages = []
+
+
+async def prefetch(worker, source_url: str, token_ids: list[int], block_keys: list[int],
+                   timeout_s: float) -> tuple[int, str]:
+    """Pull the blocks of ``block_keys`` this node lacks from ``source_url`` and keep
+    them cached (operator-driven replication of a hot prefix; no compute).
+    Returns (tokens now held here, fetch error or "")."""
+    spec = PrefillSpec(request_id="prefetch", token_ids=token_ids, block_keys=block_keys,
+                       sampling=SamplingParams(), fetch_source_url=source_url,
+                       fetch_to_block=len(block_keys), decode_segment="", decode_region=0,
+                       decode_pages=[])
+    job = PrefillJob(spec, worker, worker.layout.block_size, timeout_s)
+    result = PrefillResult(first_token=-1, logprob=0.0)
+    try:
+        await job._load_prefix(result)
+    finally:
+        await job._cleanup()  # unpin: the blocks stay cached, evictable like any other
+    return result.local_hit_tokens + result.fetched_tokens, result.fetch_failed

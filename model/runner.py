@@ -50,9 +50,6 @@ def configure_torch(runtime: RuntimeConfig) -> None:
 class ModelRunner:
     def __init__(self, weights: ModelWeights, kv_pages: torch.Tensor) -> None:
         c = weights.config
-        if not (weights.is_first_stage and weights.is_last_stage):
-            # A pipeline stage would take/return hidden states instead.
-            raise ValueError("ModelRunner needs all layers (layer-range stages not supported yet)")
         expected = (c.num_layers, 2, None, c.num_kv_heads, c.head_dim)
         shape = tuple(kv_pages.shape)
         if len(shape) != 6 or any(e is not None and e != s for e, s in zip(expected, shape[1:])):
@@ -70,9 +67,10 @@ class ModelRunner:
         self.rope = Rope(c, self.device)
 
     @classmethod
-    def from_config(cls, runtime: RuntimeConfig, kv_pages: torch.Tensor) -> "ModelRunner":
+    def from_config(cls, runtime: RuntimeConfig, kv_pages: torch.Tensor, first_layer: int = 0,
+                    end_layer: int | None = None) -> "ModelRunner":
         configure_torch(runtime)
-        return cls(load_weights(runtime), kv_pages)
+        return cls(load_weights(runtime, first_layer, end_layer), kv_pages)
 
     def layout(self) -> PageLayout:
         dtype = next(k for k, v in TORCH_DTYPES.items() if v == self.weights.dtype)
@@ -125,23 +123,59 @@ class ModelRunner:
         step = chunk_size or n
         start = num_cached_tokens
         x = None
+        self._need_all_layers("prefill")
         while start < n:
             end = min(n, (start // step + 1) * step)
-            x = self._prefill_chunk(tokens[start:end], table, start, layer_hook)
+            x = self._run_layers(F.embedding(tokens[start:end], self.weights.embed), table,
+                                 start, layer_hook)
             start = end
         return self._logits(x[-1])
 
-    def _prefill_chunk(self, tokens: torch.Tensor, table: torch.Tensor, start: int,
-                       layer_hook: LayerHook | None) -> torch.Tensor:
+    @torch.inference_mode()
+    def prefill_stage(self, inputs: torch.Tensor | Sequence[int], block_table: Sequence[int],
+                      start: int, *, layer_hook: LayerHook | None = None) -> torch.Tensor:
+        """One chunk through this runner's layers only: a Chunked Pipeline
+        Parallelism stage (weights loaded for a layer range).
+
+        inputs: the chunk's token ids on the first stage, else the previous
+        stage's hidden states [n, hidden] for tokens [start, start + n). KV of
+        [0, start) of this stage's layers must be in the pages. Returns the
+        hidden states [n, hidden], or on the last stage the float32 logits
+        [vocab] of the chunk's last token.
+        """
+        w = self.weights
+        if w.is_first_stage:
+            ids = list(inputs) if not isinstance(inputs, torch.Tensor) else inputs.tolist()
+            self._check_tokens(ids)
+            n = len(ids)
+            x = F.embedding(torch.tensor(ids, dtype=torch.long, device=self.device), w.embed)
+        else:
+            if not isinstance(inputs, torch.Tensor) or inputs.dim() != 2 \
+                    or inputs.shape[1] != self.config.hidden_size:
+                raise ValueError(f"a stage after the first takes hidden states "
+                                 f"[n, {self.config.hidden_size}]")
+            n = inputs.shape[0]
+            x = inputs.to(device=self.device, dtype=w.dtype)
+        if n == 0 or start < 0 or start + n > self.config.max_position:
+            raise ValueError(f"chunk [{start}, {start + n}) is empty or out of range")
+        x = self._run_layers(x, self._block_table(block_table, start + n), start, layer_hook)
+        return self._logits(x[-1]) if w.is_last_stage else x
+
+    def _need_all_layers(self, what: str) -> None:
+        w = self.weights
+        if not (w.is_first_stage and w.is_last_stage):
+            raise ValueError(f"{what} needs all layers; this runner holds "
+                             f"[{w.first_layer}, {w.end_layer}): use prefill_stage")
+
+    def _run_layers(self, x: torch.Tensor, table: torch.Tensor, start: int,
+                    layer_hook: LayerHook | None) -> torch.Tensor:
+        """This runner's layers over hidden states x of tokens [start, start + n)."""
         w, c = self.weights, self.config
-        end = start + tokens.shape[0]
+        end = start + x.shape[0]
         cos, sin = self.rope.cos_sin(torch.arange(start, end, device=self.device), w.dtype)
-        hook = None
-        if layer_hook is not None:
-            def hook(layer: int) -> None:
-                layer_hook(start, end, layer)
+        hook = None if layer_hook is None else \
+            (lambda layer: layer_hook(start, end, layer))
         mask = prefix_causal_mask(end - start, start, w.dtype, self.device) if start else None
-        x = F.embedding(tokens, w.embed)
         for i, lw in enumerate(w.layers):
             x = prefill_layer(x, lw, c, w.first_layer + i, self.kv_pages, table, start,
                               cos, sin, mask, hook)
@@ -158,6 +192,7 @@ class ModelRunner:
         if not seqs:
             raise ValueError("decode_step needs at least one sequence")
         w, c, bs = self.weights, self.config, self.block_size
+        self._need_all_layers("decode_step")
         self._check_tokens([s.token_id for s in seqs])
         positions = [s.position for s in seqs]
         if any(not 0 <= p < c.max_position for p in positions):

@@ -215,3 +215,35 @@ def test_dummy_weights_are_deterministic_across_processes_and_stages():
     assert torch.equal(stage.layers[0].qkv, full.layers[1].qkv)
     head = dummy_weights(CFG, seed=4, end_layer=1)
     assert head.lm_head is None and head.norm is None and torch.equal(head.embed, full.embed)
+
+
+def test_pipeline_stages_match_the_whole_model(weights):
+    """Chunked Pipeline Parallelism seam: two stages holding layers [0, 1) and
+    [1, 2), chunks flowing through them, equal the whole model."""
+    rng = random.Random(9)
+    prompt = [rng.randrange(256) for _ in range(70)]
+    table = list(range(pages_needed(70)))
+    whole = make_runner(weights)
+    whole.prefill(prompt[:10], table, 0)
+    prefix_kv = whole.kv_pages.clone()
+    want = whole.prefill(prompt, table, 10)
+    stages = [ModelRunner(dummy_weights(CFG, seed=7, first_layer=a, end_layer=b),
+                          make_runner(weights, fill_nan=True).kv_pages)
+              for a, b in ((0, 1), (1, 2))]
+    for stage in stages:  # each stage holds the prefix KV of its own layers only
+        layers = slice(stage.weights.first_layer, stage.weights.end_layer)
+        stage.kv_pages[:, layers] = prefix_kv[:, layers]
+    for start in range(10, 70, 32):
+        chunk = prompt[start:start + 32]
+        hidden = stages[0].prefill_stage(chunk, table, start)
+        assert hidden.shape == (len(chunk), CFG.hidden_size)
+        got = stages[1].prefill_stage(hidden, table, start)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(stages[0].kv_pages[:, :1], whole.kv_pages[:, :1],
+                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(stages[1].kv_pages[:, 1:], whole.kv_pages[:, 1:],
+                               rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="needs all layers"):
+        stages[0].prefill(prompt, table, 0)
+    with pytest.raises(ValueError, match="hidden states"):
+        stages[1].prefill_stage([1, 2], table, 0)

@@ -1,0 +1,160 @@
+"""bench serve end to end: a slice of the published synthetic trace replayed
+against a real tiny-model cluster; the report is recomputed from the
+per-request records; shared hash ids give cached tokens."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from mooncaked.benchserve.command import register
+from mooncaked.benchserve.replay import ReplayConfig
+from mooncaked.benchserve.report import Slo
+from mooncaked.benchserve.session import run_bench
+from mooncaked.benchserve.tracegen import TraceGenConfig, generate, write_trace
+from mooncaked.benchserve.workload import WorkloadConfig, build_workload
+from tests.cluster_helpers import start_cluster
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
+BLOCK = 16  # cluster block size (TINY) == scaled tokens per trace hash id (512 / 32)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    # Reservations must outlive the prefill queue of a 50-request burst on 2 cores.
+    c = start_cluster(tmp_path_factory.mktemp("bench-cluster"), prefill=2, decode=1,
+                      extra=["decode.reservation_timeout_s=120"])
+    yield c
+    c.stop()
+
+
+def _pct(xs, q):
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
+
+
+def _paper_tbt(times):
+    gaps = sorted((b - a for a, b in zip(times, times[1:])), reverse=True)
+    if not gaps:
+        return 0.0
+    k = max(1, math.ceil(len(gaps) / 10))
+    return sum(gaps[:k]) / k
+
+
+@pytest.mark.skipif(not TRACE.is_file(), reason=f"published trace not found at {TRACE}")
+def test_synthetic_slice_replays_and_report_matches_records(cluster, tmp_path):
+    wl = WorkloadConfig(trace=str(TRACE), max_requests=50, time_scale=0.01, length_scale=1 / 32,
+                        max_output_tokens=4)
+    assert wl.block_tokens == BLOCK
+    slo = Slo(ttft_s=5.0, tbt_ms=300.0)
+    run = run_bench(wl, ReplayConfig(url=cluster.url, request_timeout_s=120), slo, tmp_path,
+                    progress=False)
+    summary = json.loads((tmp_path / "summary.json").read_text())["summary"]
+    records = json.loads((tmp_path / "requests.json").read_text())
+    assert (tmp_path / "requests.csv").read_text().count("\n") == 51
+    assert (tmp_path / "latency_cdf.png").stat().st_size > 0
+    assert len(records) == 50 and summary["sent"] == 50
+    # Every request ran to completion (no 429: SLOs are 30 s by default on the cluster).
+    assert [r["status"] for r in records] == ["ok"] * 50, [r["error"] for r in records]
+
+    ok = [r for r in records if r["status"] == "ok"]
+    for r in ok:
+        assert r["completion_tokens"] == r["max_tokens"] == len(r["token_times_s"])
+        assert r["ttft_s"] == r["token_times_s"][0]
+        assert r["e2e_s"] >= r["token_times_s"][-1]
+        assert r["tbt_s"] == pytest.approx(_paper_tbt(r["token_times_s"]))
+    # Summary numbers, recomputed from the records.
+    ttfts = [r["ttft_s"] for r in ok]
+    assert summary["ttft_s"]["mean"] == pytest.approx(sum(ttfts) / len(ttfts))
+    assert summary["ttft_s"]["p90"] == pytest.approx(_pct(ttfts, 0.9))
+    assert summary["tbt_s"]["p99"] == pytest.approx(_pct([r["tbt_s"] for r in ok], 0.99))
+    duration = (max(r["sent_s"] + r["e2e_s"] for r in records)
+                - min(r["sent_s"] for r in records))
+    assert summary["duration_s"] == pytest.approx(duration)
+    good = [r for r in ok if r["ttft_s"] <= 5.0 and r["tbt_s"] <= 0.3]
+    assert summary["effective_requests"] == len(good)
+    assert summary["effective_request_capacity"] == pytest.approx(len(good) / 50)
+    assert summary["goodput_rps"] == pytest.approx(len(good) / duration)
+    prompt = sum(r["prompt_tokens"] for r in ok)
+    cached = sum(r["cached_tokens"] for r in ok)
+    assert summary["prompt_tokens"] == prompt == sum(len(q.prompt) for q in build_workload(wl))
+    assert summary["cache_hit_ratio"] == pytest.approx(cached / prompt)
+    assert summary["prefill_tokens_computed"] == prompt - cached
+    assert summary["prefill_compute_s"] == pytest.approx(
+        sum(r["server"]["prefill_compute_s"] for r in ok))
+    assert run.summary == summary
+
+    # Requests sharing leading hash ids hit the cache, and no request is
+    # credited more than the prefix it shares with earlier requests.
+    assert cached > 0
+    assert any(r["cached_tokens"] > 0 for r in ok if r["shared_prefix_tokens"] > 0)
+    for r in ok:
+        assert r["cached_tokens"] <= r["shared_prefix_tokens"] // BLOCK * BLOCK, r
+
+
+def test_generated_trace_shares_system_prompts_in_cache(cluster, tmp_path):
+    # Few system prompts, one-offs only: every request after the first per
+    # system prompt shares its whole system prompt with an earlier one.
+    trace = tmp_path / "gen.jsonl"
+    write_trace(trace, generate(TraceGenConfig(requests=12, rate=4.0, chat_share=0.0,
+                                               doc_share=0.0, system_prompts=2,
+                                               system_prompt_tokens=2048, user_tokens_mean=300,
+                                               output_tokens_mean=3)))
+    # reserved_tokens=1 maps hash ids to other tokens than the test above, so
+    # that replay's cached blocks cannot be hit here.
+    wl = WorkloadConfig(trace=str(trace), length_scale=1 / 32, max_output_tokens=2,
+                        reserved_tokens=1, arrival="rate", rate=2.0)
+    run = run_bench(wl, ReplayConfig(url=cluster.url, request_timeout_s=120), Slo(),
+                    progress=False)
+    ok = [r for r in run.results if r.status == "ok"]
+    assert len(ok) == 12
+    system_tokens = 2048 // 32
+    later = [r for r in ok if r.shared_prefix_tokens >= system_tokens]
+    assert len(later) >= 10
+    # Sequential enough at 2 req/s that the system prompt is cached by then.
+    assert sum(r.cached_tokens >= system_tokens for r in later) >= len(later) // 2
+    assert all(r.cached_tokens <= r.shared_prefix_tokens for r in ok)
+
+
+def _cli() -> typer.Typer:
+    app = typer.Typer()
+    bench = typer.Typer()
+    app.add_typer(bench, name="bench")
+    register(bench, app)
+    return app
+
+
+@pytest.mark.skipif(not TRACE.is_file(), reason=f"published trace not found at {TRACE}")
+def test_bench_serve_cli_sweep(cluster, tmp_path):
+    out = tmp_path / "sweep"
+    res = CliRunner().invoke(_cli(), [
+        "bench", "serve", "--url", cluster.url, "--trace", str(TRACE), "--max-requests", "4",
+        "--offset", "100", "--rate", "4,8", "--poisson", "--length-scale", "0.015625",
+        "--max-output-tokens", "2", "--out", str(out), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    printed = json.loads(res.stdout[res.stdout.index("{"):])
+    assert [row["rate"] for row in printed["sweep"]] == [4.0, 8.0]
+    assert all(row["ok"] == 4 for row in printed["sweep"])
+    assert (out / "goodput_vs_rate.png").is_file()
+    assert json.loads((out / "rate_8" / "summary.json").read_text())["meta"]["workload"][
+        "arrival"] == "poisson"
+
+
+def test_bench_serve_cli_bad_input(tmp_path):
+    runner = CliRunner()
+    res = runner.invoke(_cli(), ["bench", "serve", "--url", "http://127.0.0.1:9",
+                                 "--trace", str(tmp_path / "missing.jsonl")])
+    assert res.exit_code == 2 and "not a file" in res.output
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 600, "output_length": 1, '
+                   '"hash_ids": [1]}\n')
+    res = runner.invoke(_cli(), ["bench", "serve", "--url", "http://127.0.0.1:9",
+                                 "--trace", str(bad)])
+    assert res.exit_code == 2 and "bad.jsonl:1" in res.output
+    res = runner.invoke(_cli(), ["bench", "serve", "--url", "ftp://x", "--trace", str(bad)])
+    assert res.exit_code == 2 and "url" in res.output

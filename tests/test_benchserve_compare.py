@@ -1,0 +1,51 @@
+"""bench compare on a tiny slice: two real local clusters one after the
+other (Mooncake and colocated without prefix reuse), one table with ratios."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from typer.testing import CliRunner
+
+from mooncaked.benchserve.command import register
+from mooncaked.benchserve.tracegen import TraceGenConfig, generate, write_trace
+
+
+def test_compare_two_configs_produces_table_and_plots(tmp_path):
+    trace = tmp_path / "gen.jsonl"
+    # One shared system prompt, one-offs: every request after the first can
+    # reuse it where prefix reuse is on.
+    write_trace(trace, generate(TraceGenConfig(requests=8, rate=2.0, chat_share=0.0,
+                                               doc_share=0.0, system_prompts=1,
+                                               system_prompt_tokens=2048, user_tokens_mean=200,
+                                               output_tokens_mean=3)))
+    app, bench = typer.Typer(), typer.Typer()
+    app.add_typer(bench, name="bench")
+    register(bench, app)
+    out = tmp_path / "cmp"
+    res = CliRunner().invoke(app, [
+        "bench", "compare", "--trace", str(trace), "--configs", "mooncake,colocated_no_cache",
+        "--model", "tiny", "--prefill", "1", "--decode", "1", "--colocated", "2",
+        "--length-scale", "0.03125", "--time-scale", "0.5", "--max-output-tokens", "2",
+        "--warmup", "1", "--out", str(out), "--log-dir", str(tmp_path / "logs"),
+        "--set", "store.capacity_bytes=16777216", "--set", "node.heartbeat_interval_s=0.2",
+        "--no-progress"])
+    assert res.exit_code == 0, res.output
+    table = [line for line in res.stdout.splitlines() if line.startswith("|")]
+    assert len(table) == 4 and "goodput x" in table[0]
+    assert table[2].startswith("| mooncake | 8/8 ") and table[3].startswith(
+        "| colocated_no_cache | 8/8 ")
+    result = json.loads((out / "compare.json").read_text())
+    base, nocache = result["rows"]
+    assert base["x_goodput"] == 1.0 and base["name"] == "mooncake"
+    assert "2 colocated" in nocache["description"] and "1P+1D" in base["description"]
+    # Prefix reuse off means no cached tokens; Mooncake reuses the system prompt.
+    assert nocache["cache_hit_ratio"] == 0.0
+    assert base["cache_hit_ratio"] > 0.0
+    assert base["prefill_tokens_computed"] < nocache["prefill_tokens_computed"]
+    assert nocache["x_prefill_compute"] == nocache["prefill_compute_s"] / base["prefill_compute_s"]
+    for name in ("compare.md", "compare.png", "compare_cdf.png", "mooncake/summary.json",
+                 "colocated_no_cache/requests.csv"):
+        assert (out / name).is_file(), name
+    assert (tmp_path / "logs" / "mooncake" / "conductor.log").is_file()

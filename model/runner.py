@@ -50,11 +50,18 @@ def configure_torch(runtime: RuntimeConfig) -> None:
 class ModelRunner:
     def __init__(self, weights: ModelWeights, kv_pages: torch.Tensor) -> None:
         c = weights.config
-        expected = (c.num_layers, 2, None, c.num_kv_heads, c.head_dim)
         shape = tuple(kv_pages.shape)
+        # Pages hold either every layer, or (a pipeline stage) only this
+        # runner's layers: then page layer i is model layer first_layer + i.
+        stage_layers = weights.end_layer - weights.first_layer
+        layers = shape[1] if len(shape) == 6 and shape[1] in (c.num_layers, stage_layers) \
+            else c.num_layers
+        expected = (layers, 2, None, c.num_kv_heads, c.head_dim)
         if len(shape) != 6 or any(e is not None and e != s for e, s in zip(expected, shape[1:])):
             raise ValueError(f"kv_pages shape {shape} does not match the model: "
-                             f"[pages, {c.num_layers}, 2, block, {c.num_kv_heads}, {c.head_dim}]")
+                             f"[pages, {c.num_layers} (or this stage's {stage_layers}), 2, block, "
+                             f"{c.num_kv_heads}, {c.head_dim}]")
+        self.kv_layer_base = 0 if layers == c.num_layers else weights.first_layer
         if kv_pages.dtype != weights.dtype or kv_pages.device != weights.device:
             raise ValueError(f"kv_pages is {kv_pages.dtype} on {kv_pages.device}, weights are "
                              f"{weights.dtype} on {weights.device}")
@@ -173,11 +180,13 @@ class ModelRunner:
         w, c = self.weights, self.config
         end = start + x.shape[0]
         cos, sin = self.rope.cos_sin(torch.arange(start, end, device=self.device), w.dtype)
+        base = self.kv_layer_base
+        # The hook always names model layers, whatever the page layout.
         hook = None if layer_hook is None else \
-            (lambda layer: layer_hook(start, end, layer))
+            (lambda kv_layer: layer_hook(start, end, kv_layer + base))
         mask = prefix_causal_mask(end - start, start, w.dtype, self.device) if start else None
         for i, lw in enumerate(w.layers):
-            x = prefill_layer(x, lw, c, w.first_layer + i, self.kv_pages, table, start,
+            x = prefill_layer(x, lw, c, w.first_layer + i - base, self.kv_pages, table, start,
                               cos, sin, mask, hook)
         return x
 

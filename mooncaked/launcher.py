@@ -72,6 +72,8 @@ class LocalCluster:
     port: int = 0
     log_dir: Optional[Path] = None
     role_of_workers: tuple[str, str] = ("prefill", "decode")
+    # Nodes in one Chunked Pipeline Parallelism prefill group (0 = none).
+    cpp_group: int = 0
     children: list[Child] = field(default_factory=list)
 
     @property
@@ -110,13 +112,17 @@ class LocalCluster:
         self._spawn("conductor", "conductor", [], port=self.port)
         deadline = time.monotonic() + timeout_s
         self._wait_ready(self.conductor, deadline)
-        worker_roles = []
+        worker_roles: list[tuple[str, str, list[str]]] = []
         for i in range(self.prefill):
-            worker_roles.append((f"{self.role_of_workers[0]}-{i}", self.role_of_workers[0]))
+            worker_roles.append((f"{self.role_of_workers[0]}-{i}", self.role_of_workers[0], []))
         for i in range(self.decode):
-            worker_roles.append((f"decode-{i}", "decode"))
-        for name, role in worker_roles:
-            self._spawn(name, role, ["--conductor", self.url])
+            worker_roles.append((f"decode-{i}", "decode", []))
+        for stage in range(self.cpp_group):
+            worker_roles.append((f"cpp0-s{stage}", "prefill", [
+                "--set", "prefill.cpp_group=cpp0", "--set", f"prefill.cpp_stage={stage}",
+                "--set", f"prefill.cpp_stages={self.cpp_group}"]))
+        for name, role, extra in worker_roles:
+            self._spawn(name, role, ["--conductor", self.url, *extra])
         for child in self.children[1:]:
             self._wait_ready(child, deadline)
         self._wait_registered(deadline)
@@ -174,6 +180,9 @@ def register(app: typer.Typer) -> None:
         decode: int = typer.Option(1, "--decode", min=0, help="Number of decode nodes."),
         colocated: int = typer.Option(0, "--colocated", min=0,
                                       help="Run N colocated nodes (prefill+decode in one) instead."),
+        cpp_group: int = typer.Option(0, "--cpp-group", min=0,
+                                      help="Add a Chunked Pipeline Parallelism prefill group of X nodes "
+                                           "(layers split into X stages) beside the --prefill nodes."),
         model: Optional[str] = typer.Option(None, "--model", help="dummy (default), a named dummy config or a checkpoint dir."),
         config: Optional[str] = typer.Option(None, "--config", "-c", help="TOML config passed to every node."),
         overrides: list[str] = typer.Option([], "--set", help="Config override passed to every node (repeatable)."),
@@ -184,7 +193,8 @@ def register(app: typer.Typer) -> None:
         """Run a local cluster: one conductor plus prefill and decode nodes on loopback."""
         cluster = LocalCluster(prefill=prefill if not colocated else colocated,
                                decode=decode if not colocated else 0, model=model, config=config,
-                               overrides=list(overrides), port=port, log_dir=log_dir)
+                               overrides=list(overrides), port=port, log_dir=log_dir,
+                               cpp_group=cpp_group)
         if colocated:
             cluster.role_of_workers = ("colocated", "decode")
         stop_requested = []

@@ -14,20 +14,24 @@ computes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import mmap
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
 import aiohttp
+import torch
 from aiohttp import web
 
 from kvstore.metrics import register_store_metrics
 from kvstore.shard import StoreShard
-from model.config import page_layout
+from model.config import load_model_config, page_layout
 from model.runner import ModelRunner, configure_torch, kv_pages_view
 from model.weights import load_weights
 from rdma.engine import TransferEngine
+from roles.settings import stage_layers
 
 log = logging.getLogger("mooncaked.worker")
 T = TypeVar("T")
@@ -43,15 +47,29 @@ class WorkerNode:
         self.runner: ModelRunner | None = None
         self.engine: TransferEngine | None = None
         self.region_id = 0
+        self.cpp = False
+        self.act_memory: mmap.mmap | None = None
 
     async def open(self) -> None:
         cfg = self.config
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         configure_torch(cfg.model)
+        pf = cfg.prefill
+        self.cpp = self.ctx.role == "prefill" and pf.cpp_stages > 1
+        first, end = 0, None
+        if self.cpp:
+            # A pipeline stage loads, and keeps KV of, only its layer range.
+            first, end = stage_layers(load_model_config(cfg.model.model).num_layers,
+                                      pf.cpp_stages, pf.cpp_stage)
         # Loading weights is heavy: keep the loop free while it runs.
-        weights = await loop.run_in_executor(self.compute_pool, load_weights, cfg.model)
-        self.layout = page_layout(weights.config, cfg.store.block_size, cfg.model.dtype)
+        weights = await loop.run_in_executor(self.compute_pool, load_weights, cfg.model, first, end)
+        self.first_layer, self.end_layer = weights.first_layer, weights.end_layer
+        # full_layout: a page with every layer (what decode nodes and single
+        # prefill nodes hold); layout: this node's pages (only its layers).
+        self.full_layout = page_layout(weights.config, cfg.store.block_size, cfg.model.dtype)
+        self.layout = dataclasses.replace(self.full_layout,
+                                          num_layers=self.end_layer - self.first_layer)
         self.shard = StoreShard(cfg.store, self.layout)
         self.runner = ModelRunner(weights, kv_pages_view(self.shard.buffer, self.layout))
         self.model_config = weights.config
@@ -59,6 +77,14 @@ class WorkerNode:
         self.engine = TransferEngine(cfg.transfer, self.ctx.node_id)
         await self.engine.start()
         self.region_id = self.engine.register_local_memory(self.shard.buffer, "cpu:0").id
+        if self.cpp:
+            # Hidden states cross stage boundaries through this region: two
+            # slots (in, out) of one chunk each per request in flight.
+            slot = cfg.model.prefill_chunk * weights.config.hidden_size * (torch.finfo(weights.dtype).bits // 8)
+            self.act_slot_bytes = slot
+            self.act_memory = mmap.mmap(-1, 2 * pf.cpp_slots * slot)
+            self.act_region_id = self.engine.register_local_memory(self.act_memory, "cpu:0").id
+            self.act_free = list(range(pf.cpp_slots))
         self.engine.set_resolver(self._resolve_segment)
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
         self.ctx.transfer_descriptor = self.engine.segment_descriptor()
@@ -66,7 +92,12 @@ class WorkerNode:
             "pages": self.shard.num_pages, "block_size": self.layout.block_size,
             "page_bytes": self.layout.page_bytes, "kv_bytes_per_token": self.layout.kv_bytes_per_token,
             "layout": self.layout.to_dict(), "region": self.region_id,
+            "layers": [self.first_layer, self.end_layer],
         })
+        if self.cpp:
+            self.ctx.capacity.update({"cpp_group": pf.cpp_group, "cpp_stage": pf.cpp_stage,
+                                      "cpp_stages": pf.cpp_stages,
+                                      "kv_bytes_per_token": self.full_layout.kv_bytes_per_token})
         self.ctx.status_providers["store"] = lambda: self.shard.stats().to_dict()
         self.ctx.status_providers["transfer"] = self.engine.stats
         log.info("worker ready in %.2fs: model %s (%d layers), %d pages of %d tokens (%.1f MiB), "
@@ -96,6 +127,11 @@ class WorkerNode:
         if self.engine is not None:
             await self.engine.close()
         self.compute_pool.shutdown(wait=True, cancel_futures=True)
+        if self.act_memory is not None:
+            try:
+                self.act_memory.close()
+            except BufferError:
+                pass  # a view is still alive; the OS reclaims it at exit
         if self.shard is not None:
             self.runner = None  # drop the tensor view before unmapping the buffer
             try:

@@ -120,6 +120,7 @@ def setup_conductor(app: web.Application, ctx) -> None:
     except ValueError as exc:
         from mooncaked.runtime import StartupError
         raise StartupError(str(exc)) from None
+    cluster.prefill_chunk = cfg.model.prefill_chunk
     app[CLUSTER] = cluster
     metrics = ConductorMetrics(ctx.metrics)
     tokenizer = load_tokenizer(cfg.model.model)

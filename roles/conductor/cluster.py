@@ -22,8 +22,8 @@ from aiohttp import web
 
 from mooncaked.errors import ApiError, json_response, read_json
 from mooncaked.membership import NodeRecord, NodeRegistry
-from roles.scheduling.estimators import (DecodeEstimator, PolynomialPrefillEstimator,
-                                         TransferEstimator)
+from roles.scheduling.estimators import (DecodeEstimator, PipelinePrefillEstimator,
+                                         PolynomialPrefillEstimator, TransferEstimator)
 from roles.scheduling.scheduler import Scheduler, SchedulerConfig
 from roles.scheduling.state import NodeReport
 
@@ -61,6 +61,11 @@ class ClusterView:
             DecodeEstimator(*DEFAULT_DECODE))
         self.block_size: int | None = None
         self.epochs: dict[str, int] = {}
+        # CPP groups: group -> {stage: node_id}; a complete group is one
+        # prefill instance named "cpp:<group>" for the Scheduler.
+        self.groups: dict[str, dict[int, str]] = {}
+        self.group_of: dict[str, tuple[str, int, int]] = {}   # node -> (group, stage, stages)
+        self.prefill_chunk = 1024  # set from the conductor's [model] section
         registry.subscribe(self._on_membership)
 
     def _on_membership(self, event: str, record: NodeRecord) -> None:
@@ -78,15 +83,28 @@ class ClusterView:
                 return
             self.epochs.pop(node, None)
             sched.index.remove_node(node)
+            if cap.get("cpp_group"):
+                self._join_group(record)
+                return
             if record.role in ("prefill", "colocated"):
                 sched.add_prefill_node(node, cache_capacity_blocks=int(cap.get("pages", 0)))
             if record.role in ("decode", "colocated"):
                 sched.add_decode_node(node, page_budget=int(cap.get("pages", 0)),
                                       page_tokens=block_size)
         elif event in ("left", "dead"):
+            if node in self.group_of:
+                group, stage, _ = self.group_of.pop(node)
+                self.groups.get(group, {}).pop(stage, None)
+                node = f"cpp:{group}"
+                log.warning("pipeline group %s lost stage %d: the group takes no work", group, stage)
             sched.mark_dead(node)
             self.epochs.pop(node, None)
         elif event == "heartbeat":
+            if node in self.group_of:
+                group, stage, _ = self.group_of[node]
+                if stage != 0:
+                    return
+                node = f"cpp:{group}"  # the head's queue is the group's queue
             load = record.load
             if node in sched.prefill:
                 sched.prefill[node].accepting = not load.get("draining", False)
@@ -95,14 +113,51 @@ class ClusterView:
                 batch_size=load.get("batch_size"), context_tokens=load.get("context_tokens"),
                 free_pages=None, recent_tbt_s=load.get("recent_tbt_s") or None), time.monotonic())
 
-    def _live(self, node_id: Any) -> str:
+    def _join_group(self, record: NodeRecord) -> None:
+        cap = record.capacity
+        group, stage, stages = str(cap["cpp_group"]), int(cap["cpp_stage"]), int(cap["cpp_stages"])
+        self.group_of[record.node_id] = (group, stage, stages)
+        members = self.groups.setdefault(group, {})
+        members[stage] = record.node_id
+        if len(members) == stages:
+            name = f"cpp:{group}"
+            self.scheduler.add_prefill_group(
+                name, tuple(members[s] for s in range(stages)),
+                PipelinePrefillEstimator(self.scheduler.prefill_est, stages, self.prefill_chunk),
+                cache_capacity_blocks=int(cap.get("pages", 0)))
+            self.scheduler.index.remove_node(name)
+            self.epochs.pop(name, None)
+            log.info("pipeline group %s complete: %d stages %s", group, stages,
+                     [members[s] for s in range(stages)])
+
+    def prefill_target(self, name: str) -> tuple[NodeRecord | None, list[str]]:
+        """The node to send a prefill to, and (CPP) the URLs of the stages after it."""
+        if name.startswith("cpp:"):
+            members = self.groups.get(name[4:], {})
+            records = [self.registry.get(members.get(s, "")) for s in range(len(members))]
+            if not records or any(r is None or not r.alive for r in records):
+                return None, []
+            return records[0], [r.url for r in records[1:]]
+        return self.registry.get(name), []
+
+    def _index_name(self, node: str) -> str | None:
+        """Whose cache a node's events describe: a group's head speaks for the
+        group; the other stages hold the same keys and are not indexed."""
+        if node in self.group_of:
+            group, stage, _ = self.group_of[node]
+            return f"cpp:{group}" if stage == 0 else None
+        return node
+
+    def _live(self, node_id: Any) -> str | None:
         record = self.registry.get(str(node_id))
         if record is None or not record.alive:
             raise ApiError(404, f"unknown node {node_id!r}: register first")
-        return record.node_id
+        return self._index_name(record.node_id)
 
     def snapshot(self, body: dict) -> None:
         node = self._live(body.get("node_id"))
+        if node is None or node not in self.scheduler.prefill:
+            return
         keys = body.get("keys")
         if not isinstance(keys, list):
             raise ApiError(400, "keys must be a list")
@@ -112,6 +167,10 @@ class ClusterView:
     def events(self, body: dict) -> bool:
         """Apply a batch; returns True when the node must send a snapshot."""
         node = self._live(body.get("node_id"))
+        if node is None:
+            return False
+        if node not in self.scheduler.prefill:
+            return True  # the group is not complete yet: send a snapshot later
         if body.get("resync") or self.epochs.get(node) != body.get("epoch"):
             return True
         ok = self.scheduler.on_events(node, int(body["seq"]), body.get("stored") or [],

@@ -62,6 +62,8 @@ class RequestTrace:
     e2e_s: float = 0.0
     completion_tokens: int = 0
     status: str = "running"
+    # CPP: stages, bytes that crossed stage boundaries, per-stage compute.
+    cpp: dict[str, Any] | None = None
     token_times: list[float] = field(default_factory=list, repr=False)
     output_token_ids: list[int] = field(default_factory=list, repr=False)
 
@@ -144,7 +146,7 @@ class Dispatcher:
                                    f"{decision.predicted_ttft_s:.3g}s, TBT {decision.predicted_tbt_s * 1000:.3g}ms "
                                    f"against SLOs; retry later", code=decision.reason,
                            headers={"Retry-After": str(retry)})
-        prefill = cluster.registry.get(decision.prefill_node)
+        prefill, stage_urls = cluster.prefill_target(decision.prefill_node)
         decode = cluster.registry.get(decision.decode_node)
         trace.prefill_node, trace.decode_node = decision.prefill_node, decision.decode_node
         trace.policy, trace.predicted_ttft_s = decision.policy, decision.predicted_ttft_s
@@ -176,6 +178,8 @@ class Dispatcher:
                                "pages": reservation["pages"]}}
             if source is not None:
                 body["fetch"] = {"source_url": source.url, "to_block": decision.transfer.to_block}
+            if stage_urls:
+                body["cpp"] = {"stage_urls": stage_urls}
             sched.on_prefill_started(decision.prefill_node, request_id, time.monotonic())
             result = await self.call_node(prefill.url + "/internal/prefill", body, "prefill")
             prefill_done = True
@@ -239,6 +243,7 @@ class Dispatcher:
         trace.prefill_compute_s = timings.get("compute_s", 0.0)
         trace.kv_transfer_wait_s = timings.get("transfer_wait_s", 0.0)
         trace.first_layer_sent_s = timings.get("first_layer_sent_s", 0.0)
+        trace.cpp = result.get("cpp")
         sched = self.cluster.scheduler
         sched.on_prefill_finished(decision.prefill_node, trace.request_id, time.monotonic(),
                                   trace.prefill_compute_s)

@@ -12,6 +12,7 @@ from aiohttp import web
 from kvstore.shard import StoreFullError
 from mooncaked.errors import ApiError, json_response, read_json
 from roles.cache_sync import CacheEventPusher
+from roles.prefill.cpp import CppStages
 from roles.prefill.job import PrefillCancelled, PrefillSpec, prefetch
 from roles.prefill.service import PrefillService, QueueFull
 from roles.store_leases import add_lease_routes
@@ -21,6 +22,7 @@ from rdma.types import TransferError
 
 PREFILL = web.AppKey("prefill", PrefillService)
 PUSHER = web.AppKey("pusher", CacheEventPusher)
+CPP_STAGES = web.AppKey("cpp_stages", CppStages)
 
 
 async def prefill(request: web.Request) -> web.Response:
@@ -67,13 +69,27 @@ async def cancel(request: web.Request) -> web.Response:
     return json_response({"cancelled": request.app[PREFILL].cancel(str(body.get("request_id")))})
 
 
+def _cpp_handler(name: str):
+    async def handler(request: web.Request) -> web.StreamResponse:
+        stages = request.app.get(CPP_STAGES)
+        if stages is None:
+            raise ApiError(404, "this prefill node is not a pipeline stage")
+        return await getattr(stages, name)(request)
+    return handler
+
+
 def add_prefill_service(app: web.Application, ctx, worker) -> None:
     """Prefill queue, cache-event pusher, block leases and the prefill endpoints."""
 
     async def service(app: web.Application):
         cfg = ctx.config
         svc = PrefillService(worker, cfg.model.prefill_chunk, cfg.prefill.max_queue,
-                             cfg.prefill.fetch_timeout_s, cfg.prefill.prefix_cache)
+                             cfg.prefill.fetch_timeout_s, cfg.prefill.prefix_cache,
+                             cfg.prefill.cpp_chunk_timeout_s)
+        stages = None
+        if worker.cpp:
+            stages = CppStages(worker, cfg.model.prefill_chunk, cfg.prefill.cpp_chunk_timeout_s)
+            app[CPP_STAGES] = stages
         pusher = CacheEventPusher(worker.shard, worker.http, cfg.node.conductor_url, ctx.node_id,
                                   cfg.node.cluster_token)
         app[PREFILL] = svc
@@ -84,6 +100,8 @@ def add_prefill_service(app: web.Application, ctx, worker) -> None:
         ctx.status_providers["prefill"] = svc.load
         yield
         await svc.close()
+        if stages is not None:
+            await stages.close()
         await pusher.close()
 
     app.cleanup_ctx.append(service)
@@ -91,6 +109,9 @@ def add_prefill_service(app: web.Application, ctx, worker) -> None:
     app.router.add_post("/internal/prefill", prefill)
     app.router.add_post("/internal/prefill/cancel", cancel)
     app.router.add_post("/internal/store/prefetch", prefetch_blocks)
+    for path, name in (("prepare", "prepare"), ("start", "start"), ("chunk", "chunk"),
+                       ("abort", "abort")):
+        app.router.add_post(f"/internal/cpp/{path}", _cpp_handler(name))
 
 
 def setup_prefill(app: web.Application, ctx) -> None:

@@ -52,6 +52,8 @@ class PrefillSpec:
     decode_segment: str
     decode_region: int
     decode_pages: list[int]
+    # CPP: URLs of the group's stages after this one (this node is the head).
+    cpp_stage_urls: list[str] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, body: dict[str, Any], block_size: int) -> "PrefillSpec":
@@ -72,7 +74,8 @@ class PrefillSpec:
                    fetch_source_url=fetch.get("source_url"),
                    fetch_to_block=int(fetch.get("to_block", 0)),
                    decode_segment=str(decode["segment"]), decode_region=int(decode.get("region", 0)),
-                   decode_pages=[int(p) for p in pages])
+                   decode_pages=[int(p) for p in pages],
+                   cpp_stage_urls=[str(u) for u in (body.get("cpp") or {}).get("stage_urls", [])])
 
 
 @dataclass
@@ -84,13 +87,14 @@ class PrefillResult:
     computed_tokens: int = 0
     fetch_failed: str = ""
     timings: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"first_token": self.first_token, "logprob": self.logprob,
                 "cached_tokens": self.local_hit_tokens + self.fetched_tokens,
                 "local_hit_tokens": self.local_hit_tokens, "fetched_tokens": self.fetched_tokens,
                 "computed_tokens": self.computed_tokens, "fetch_failed": self.fetch_failed,
-                "timings": {k: round(v, 6) for k, v in self.timings.items()}}
+                "timings": {k: round(v, 6) for k, v in self.timings.items()}, **self.extra}
 
 
 class PrefillJob:
@@ -175,18 +179,19 @@ class PrefillJob:
     # -- step 3: KV streaming -------------------------------------------------
     def _send(self, block_table: list[int], first_block: int, end_block: int,
               layers: tuple[int, int] | None) -> None:
-        """Queue WRITEs of blocks [first_block, end_block) to the decode node's pages;
-        whole pages when ``layers`` is None, else that layer range of each page."""
-        spec, layout = self.spec, self.layout
+        """Queue WRITEs of blocks [first_block, end_block) to the decode node's pages:
+        model layers ``layers`` = [l0, l1) of each page, or all of this node's
+        layers when None.  Decode pages hold every layer (``full_layout``); a
+        pipeline stage's own pages hold only its layers (``layout``), so the
+        same layers sit at different offsets on the two sides."""
+        spec, worker = self.spec, self.worker
+        base = worker.first_layer
+        l0, l1 = layers if layers is not None else (worker.first_layer, worker.end_layer)
         requests = []
         for b in range(first_block, end_block):
-            if layers is None:
-                local_off, length = layout.page_offset(block_table[b]), layout.page_bytes
-                remote_off = layout.page_offset(spec.decode_pages[b])
-            else:
-                local_off, length = layout.layer_range_span(block_table[b], *layers)
-                remote_off = layout.layer_range_span(spec.decode_pages[b], *layers)[0]
-            requests.append(TransferRequest(TransferOp.WRITE, self.worker.region_id, local_off, length,
+            local_off, length = self.layout.layer_range_span(block_table[b], l0 - base, l1 - base)
+            remote_off = worker.full_layout.layer_range_span(spec.decode_pages[b], l0, l1)[0]
+            requests.append(TransferRequest(TransferOp.WRITE, worker.region_id, local_off, length,
                                             spec.decode_segment, remote_off, spec.decode_region))
         if not requests:
             return

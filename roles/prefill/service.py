@@ -13,6 +13,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from roles.prefill.cpp import GroupPrefill
 from roles.prefill.job import PrefillCancelled, PrefillJob, PrefillResult, PrefillSpec
 
 log = logging.getLogger("mooncaked.prefill")
@@ -20,7 +21,7 @@ log = logging.getLogger("mooncaked.prefill")
 
 @dataclass
 class _Queued:
-    job: PrefillJob
+    job: "PrefillJob | GroupPrefill"
     tokens: int
     enqueued_at: float
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -32,12 +33,13 @@ class QueueFull(Exception):
 
 class PrefillService:
     def __init__(self, worker, chunk_size: int, max_queue: int, fetch_timeout_s: float,
-                 prefix_cache: bool = True) -> None:
+                 prefix_cache: bool = True, cpp_timeout_s: float = 60.0) -> None:
         self.worker = worker
         self.chunk_size = chunk_size
         self.max_queue = max_queue
         self.fetch_timeout_s = fetch_timeout_s
         self.prefix_cache = prefix_cache
+        self.cpp_timeout_s = cpp_timeout_s
         self.queue: asyncio.Queue[_Queued] = asyncio.Queue()
         self.jobs: dict[str, PrefillJob] = {}
         self.running: _Queued | None = None
@@ -68,7 +70,16 @@ class PrefillService:
             raise QueueFull(f"prefill queue full ({self.max_queue} requests)")
         if spec.request_id in self.jobs:
             raise ValueError(f"request {spec.request_id} is already queued here")
-        job = PrefillJob(spec, self.worker, self.chunk_size, self.fetch_timeout_s, self.prefix_cache)
+        if spec.cpp_stage_urls:
+            if not self.worker.cpp or self.worker.first_layer != 0:
+                raise ValueError("a CPP request must go to the head (stage 0) of a group")
+            job: PrefillJob | GroupPrefill = GroupPrefill(
+                spec, self.worker, spec.cpp_stage_urls, self.chunk_size, self.cpp_timeout_s)
+        else:
+            if self.worker.cpp:
+                raise ValueError("this node is a pipeline stage: it only serves CPP requests")
+            job = PrefillJob(spec, self.worker, self.chunk_size, self.fetch_timeout_s,
+                             self.prefix_cache)
         item = _Queued(job, len(spec.token_ids), time.perf_counter())
         self.jobs[spec.request_id] = job
         self.queued_tokens += item.tokens

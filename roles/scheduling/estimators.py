@@ -198,3 +198,44 @@ class DecodeEstimator:
         if batch <= 0:
             return 0.0
         return self.c0 + self.c_batch * batch + self.c_ctx * context_tokens
+
+
+class PipelinePrefillEstimator(PrefillEstimator):
+    """A Chunked Pipeline Parallelism group of `stages` nodes.
+
+    Each stage runs 1/stages of the layers, so in steady state the group
+    computes `stages` times faster than one node; the first chunk still
+    traverses every stage (pipeline fill), and each stage boundary costs a
+    hop per chunk:
+
+        t = base(N, p) / X  +  (X - 1) / X * base(p + c1, p)  +  hops * hop_s
+
+    with c1 = the first chunk's tokens and hops = (X - 1) * chunks.  `hop_s`
+    is learned online (EWMA of the residual of observed group prefills).
+    """
+
+    def __init__(self, base: PrefillEstimator, stages: int, chunk_tokens: int,
+                 hop_s: float = 0.002, alpha: float = 0.2) -> None:
+        if stages < 1 or chunk_tokens < 1 or hop_s < 0 or not 0 < alpha <= 1:
+            raise ValueError("stages and chunk_tokens must be >= 1, hop_s >= 0, alpha in (0, 1]")
+        self.base, self.stages, self.chunk = base, stages, chunk_tokens
+        self.hop_s, self.alpha = hop_s, alpha
+
+    def _parts(self, prompt_tokens: int, prefix_tokens: int) -> tuple[float, int]:
+        new = max(1, prompt_tokens - prefix_tokens)
+        x = self.stages
+        first = min(new, self.chunk - prefix_tokens % self.chunk)
+        chunks = 1 + -(-(new - first) // self.chunk)
+        compute = (self.base.seconds(prompt_tokens, prefix_tokens) / x
+                   + (x - 1) / x * self.base.seconds(prefix_tokens + first, prefix_tokens))
+        return compute, (x - 1) * chunks
+
+    def seconds(self, prompt_tokens: int, prefix_tokens: int) -> float:
+        compute, hops = self._parts(prompt_tokens, prefix_tokens)
+        return compute + hops * self.hop_s
+
+    def observe(self, prompt_tokens: int, prefix_tokens: int, seconds: float) -> None:
+        compute, hops = self._parts(prompt_tokens, prefix_tokens)
+        if hops:
+            sample = max(0.0, (seconds - compute) / hops)
+            self.hop_s = (1 - self.alpha) * self.hop_s + self.alpha * sample

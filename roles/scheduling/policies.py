@@ -33,7 +33,9 @@ class PlanContext:
                  prefill_s: Callable[[int, int], float],
                  transfer_s: Callable[[str, int], float],
                  kv_bytes_per_token: int, outstanding: Callable[[str], int],
-                 cached_blocks: Callable[[str], int]) -> None:
+                 cached_blocks: Callable[[str], int],
+                 node_prefill_s: Callable[[str, int, int], float] | None = None,
+                 transferable: Callable[[str], bool] | None = None) -> None:
         self.req = req
         self.now = now
         self.nodes = nodes
@@ -44,6 +46,12 @@ class PlanContext:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.outstanding = outstanding  # requests sent to a node, not finished
         self.cached_blocks = cached_blocks
+        # Per-node prefill time (a CPP group has its own estimator); defaults
+        # to the cluster-wide one.
+        self.node_prefill_s = node_prefill_s or (lambda node, n, p: prefill_s(n, p))
+        # A CPP group holds each block's KV spread over its stages by layer:
+        # it can neither serve a whole-block pull nor receive one.
+        self.transferable = transferable or (lambda node: True)
 
     def local(self, node: str) -> int:
         return self.matches.get(node, 0)
@@ -58,14 +66,15 @@ class PlanContext:
         transfer = None
         t_transfer = 0.0
         blocks = local
-        if source is not None and source_blocks > local:
+        if source is not None and source_blocks > local and self.transferable(node) \
+                and self.transferable(source):
             tokens = req.prefix_tokens(source_blocks) - req.prefix_tokens(local)
             nbytes = tokens * self.kv_bytes_per_token
             transfer = TransferPlan(source, local, source_blocks, tokens, nbytes)
             t_transfer = self.transfer_s(source, nbytes)
             blocks = source_blocks
         prefix = req.prefix_tokens(blocks)
-        t_prefill = self.prefill_s(req.prompt_tokens, prefix)
+        t_prefill = self.node_prefill_s(node, req.prompt_tokens, prefix)
         return PrefillPlan(node, local, prefix, transfer, t_queue, t_transfer, t_prefill)
 
 
@@ -140,13 +149,13 @@ class MooncakePolicy(Policy):
         best_len = max(ctx.matches.values(), default=0)
         source = None
         if best_len:
-            holders = [n for n, b in ctx.matches.items() if b == best_len]
-            source = min(holders, key=lambda n: ctx.transfer_s(n, 0))
+            holders = [n for n, b in ctx.matches.items() if b == best_len and ctx.transferable(n)]
+            source = min(holders, key=lambda n: ctx.transfer_s(n, 0)) if holders else None
         best: PrefillPlan | None = None
         for node in ctx.nodes:
             local = ctx.local(node)
             ratio = math.inf if local == 0 else best_len / local
-            if best_len and ratio > self.threshold:
+            if source is not None and ratio > self.threshold:
                 plan = ctx.plan(node, source, best_len)
             else:
                 plan = ctx.plan(node)

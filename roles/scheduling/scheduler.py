@@ -66,11 +66,25 @@ class Scheduler:
         # estimator feedback: (predicted - actual) TTFT per finished request
         self.ttft_errors: list[float] = []
         self.rejections: dict[str, int] = {}
+        # Prefill instances with their own estimator (CPP groups).
+        self.node_estimators: dict[str, PrefillEstimator] = {}
 
     # ---- membership ---------------------------------------------------
     def add_prefill_node(self, node: str, cache_capacity_blocks: int = 0) -> None:
         self.prefill[node] = PrefillNodeState(node, cache_capacity_blocks=cache_capacity_blocks)
         self._outstanding.setdefault(node, 0)
+
+    def add_prefill_group(self, group: str, members: tuple[str, ...],
+                          estimator: PrefillEstimator, cache_capacity_blocks: int = 0) -> None:
+        """A Chunked Pipeline Parallelism group scheduled as one prefill instance
+        with its own estimator (pipeline fill + steady state)."""
+        self.prefill[group] = PrefillNodeState(group, cache_capacity_blocks=cache_capacity_blocks,
+                                               group_members=tuple(members))
+        self._outstanding.setdefault(group, 0)
+        self.node_estimators[group] = estimator
+
+    def estimator_for(self, node: str | None) -> PrefillEstimator:
+        return self.node_estimators.get(node, self.prefill_est) if node else self.prefill_est
 
     def add_decode_node(self, node: str, page_budget: int, page_tokens: int) -> None:
         self.decode[node] = DecodeNodeState(node, page_budget, page_tokens)
@@ -109,7 +123,9 @@ class Scheduler:
             transfer_s=lambda src, nbytes: self.transfer_est.seconds(src, nbytes, now),
             kv_bytes_per_token=self.config.kv_bytes_per_token,
             outstanding=lambda n: self._outstanding.get(n, 0),
-            cached_blocks=self.index.blocks_on)
+            cached_blocks=self.index.blocks_on,
+            node_prefill_s=lambda node, n, p: self.estimator_for(node).seconds(n, p),
+            transferable=lambda node: not self.prefill[node].group_members)
 
     def select_decode(self, req: ScheduleRequest) -> tuple[DecodeNodeState | None, float]:
         """Least predicted TBT among live decode nodes with pages for the request."""
@@ -182,8 +198,8 @@ class Scheduler:
         inf = self.inflight.get(request_id)
         if inf is None or actual_seconds <= 0:
             return
-        self.prefill_est.observe(inf.req.prompt_tokens, inf.decision.prefix_tokens,
-                                 actual_seconds)
+        self.estimator_for(node).observe(inf.req.prompt_tokens, inf.decision.prefix_tokens,
+                                         actual_seconds)
         actual_ttft = now - inf.scheduled_at
         self.ttft_errors.append(inf.decision.predicted_ttft_s - actual_ttft)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 import aiohttp
+from mooncaked.tasks import cancel_and_wait
 
 log = logging.getLogger("mooncaked.membership")
 
@@ -199,12 +200,7 @@ class MembershipClient:
                                 self.conductor_url, failures, exc)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
         if self._session is not None:
             if self.registered:
                 try:

@@ -18,6 +18,7 @@ import logging
 import aiohttp
 
 from kvstore.shard import StoreShard
+from mooncaked.tasks import cancel_and_wait
 
 log = logging.getLogger("mooncaked.cache_sync")
 
@@ -93,9 +94,4 @@ class CacheEventPusher:
                 await asyncio.sleep(min(2.0, self.interval_s * failures))
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)

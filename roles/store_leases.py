@@ -22,6 +22,7 @@ from aiohttp import web
 
 from kvstore.shard import StoreShard
 from mooncaked.errors import ApiError, json_response, read_json
+from mooncaked.tasks import cancel_and_wait
 
 log = logging.getLogger("mooncaked.leases")
 MAX_TTL_S = 120.0
@@ -100,7 +101,7 @@ def add_lease_routes(app: web.Application, worker) -> None:
 
         task = asyncio.create_task(expire_loop(), name="lease-expiry")
         yield
-        task.cancel()
+        await cancel_and_wait(task)
         table.release_all()
 
     app.router.add_post("/internal/store/lease", lease)

@@ -18,6 +18,7 @@ from aiohttp import web
 from mooncaked.context import CTX
 from mooncaked.errors import ApiError, json_response, read_json, require_bearer
 from mooncaked.membership import NodeRegistry
+from mooncaked.tasks import cancel_and_wait
 
 log = logging.getLogger("mooncaked.conductor.membership")
 REGISTRY = web.AppKey("registry", NodeRegistry)
@@ -86,7 +87,7 @@ async def _sweeper(app: web.Application):
 
     task = asyncio.create_task(loop(), name="membership-sweeper")
     yield
-    task.cancel()
+    await cancel_and_wait(task)
 
 
 def setup_membership(app: web.Application, timeout_s: float) -> NodeRegistry:

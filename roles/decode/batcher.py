@@ -24,6 +24,7 @@ import torch
 
 from model.runner import DecodeSeq
 from model.sampling import SamplingParams, sample
+from mooncaked.tasks import cancel_and_wait
 
 log = logging.getLogger("mooncaked.decode")
 
@@ -159,13 +160,7 @@ class DecodeBatcher:
                     self.release(seq.request_id, "expired")
 
     async def close(self) -> None:
-        for task in (self._task, self._sweeper):
-            if task is not None:
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
+        await cancel_and_wait(self._task, self._sweeper)
         for request_id in list(self.seqs):
             self.release(request_id, "shutdown")
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from roles.prefill.cpp import GroupPrefill
 from roles.prefill.job import PrefillCancelled, PrefillJob, PrefillResult, PrefillSpec
+from mooncaked.tasks import cancel_and_wait
 
 log = logging.getLogger("mooncaked.prefill")
 
@@ -54,12 +55,7 @@ class PrefillService:
         self._task = asyncio.create_task(self._run(), name="prefill-queue")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
         while not self.queue.empty():
             item = self.queue.get_nowait()
             if not item.done.done():

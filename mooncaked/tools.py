@@ -47,6 +47,8 @@ def register(app: typer.Typer) -> None:
           "Prefill tokens/s (0% and 90% cached) and decode step latency.")
     _tool(bench, "scheduler", "roles.scheduling.bench", "mooncaked bench scheduler",
           "One Algorithm 1 decision at cluster scale (64 nodes, millions of blocks).")
+    from mooncaked.benchserve.command import register as register_benchserve
+    register_benchserve(bench, app)
     app.add_typer(bench, name="bench")
     _tool(app, "profile", "model.profile", "mooncaked profile",
           "Measure prefill time over (input, cached prefix) and fit the conductor's polynomial.")

@@ -6,7 +6,7 @@ Each component package owns its own section dataclass (``kvstore.config``,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 ROLES = ("conductor", "prefill", "decode", "colocated")
 

@@ -138,3 +138,17 @@ def test_operator_replicates_a_prefix_to_more_nodes(mooncake):
     assert all(r["held_tokens"] == 64 and not r["error"] for r in body["replicated"].values())
     _, where = post_json(mooncake.url + "/admin/cache/match", {"prompt": prompt})
     assert sorted(n for n, t in where["nodes"].items() if t == 64) == ["prefill-0", "prefill-1", "prefill-2"]
+
+
+def test_conductor_metrics_cover_latency_cache_and_per_node_load(mooncake):
+    assert complete(mooncake.url, tokens(50, seed=77), max_tokens=3)[0] == 200
+    with urllib.request.urlopen(mooncake.url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+              for line in text.splitlines() if line and not line.startswith("#")}
+    assert values["mooncaked:time_to_first_token_seconds_count"] >= 1
+    assert values["mooncaked:prefix_cache_queries_total"] >= 50
+    for node in ("prefill-0", "prefill-1", "prefill-2"):
+        assert f'mooncaked_prefill_queue_seconds{{node="{node}"}}' in values
+    assert values['mooncaked_decode_free_pages{node="decode-0"}'] > 0
+    assert "mooncaked_ttft_prediction_error_seconds" in values

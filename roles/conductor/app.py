@@ -24,7 +24,7 @@ from mooncaked.errors import ApiError, json_response, read_json, require_bearer
 from roles.conductor.cluster import CLUSTER, ClusterView, add_cache_routes
 from roles.conductor.dispatch import Dispatcher
 from roles.conductor.membership_api import setup_membership
-from roles.conductor.metrics import ConductorMetrics
+from roles.conductor.metrics import ConductorMetrics, NodeLoadCollector
 from roles.conductor.openai_api import OPENAI_BACKEND, add_openai_routes
 from roles.conductor.openai_types import ApiLimits, GenerationRequest
 
@@ -123,6 +123,7 @@ def setup_conductor(app: web.Application, ctx) -> None:
     cluster.prefill_chunk = cfg.model.prefill_chunk
     app[CLUSTER] = cluster
     metrics = ConductorMetrics(ctx.metrics)
+    ctx.metrics.register(NodeLoadCollector(cluster.status))
     tokenizer = load_tokenizer(cfg.model.model)
     model_config = load_model_config(cfg.model.model)
     model_name = cfg.conductor.served_model_name or cfg.model.model

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120)
 _TBT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2.5)
@@ -56,3 +60,34 @@ class ConductorMetrics:
         times = trace.token_times
         for a, b in zip(times, times[1:]):
             self.tbt.observe(b - a)
+
+
+class NodeLoadCollector(Collector):
+    """Per-node load as the scheduler sees it, read at scrape time."""
+
+    def __init__(self, status: Callable[[], dict]) -> None:
+        self.status = status
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        st = self.status()
+        queue = GaugeMetricFamily("mooncaked_prefill_queue_seconds",
+                                  "Predicted queued prefill time per prefill instance", labels=["node"])
+        cached = GaugeMetricFamily("mooncaked_prefill_cached_blocks",
+                                   "Blocks the global index holds per prefill instance", labels=["node"])
+        batch = GaugeMetricFamily("mooncaked_decode_batch_size", "Running sequences per decode node",
+                                  labels=["node"])
+        pages = GaugeMetricFamily("mooncaked_decode_free_pages", "Free KV pages per decode node",
+                                  labels=["node"])
+        for node, p in st["prefill"].items():
+            if p["alive"]:
+                queue.add_metric([node], p["queue_s"])
+                cached.add_metric([node], p["cached_blocks"])
+        for node, d in st["decode"].items():
+            if d["alive"]:
+                batch.add_metric([node], d["batch_size"])
+                pages.add_metric([node], d["free_pages"])
+        error = st.get("ttft_error_mean_s")
+        err = GaugeMetricFamily("mooncaked_ttft_prediction_error_seconds",
+                                "Mean predicted minus actual TTFT over recent requests")
+        err.add_metric([], error if error is not None else 0.0)
+        yield from (queue, cached, batch, pages, err)

@@ -155,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-requests", type=int, default=60)
     ap.add_argument("--time-scale", type=float, default=2.0)
     ap.add_argument("--length-scale", type=float, default=1 / 32)
-    ap.add_argument("--max-output-tokens", type=int, default=16)
+    ap.add_argument("--output-scale", type=float, default=1.0,
+                    help="output lengths x this (then capped), so TBT has tokens to measure")
+    ap.add_argument("--max-output-tokens", type=int, default=32)
     ap.add_argument("--prefill", type=int, default=1)
     ap.add_argument("--decode", type=int, default=1)
     ap.add_argument("--ttft-slo", type=float, default=30.0)
@@ -178,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     reserved = min(vocab - 1, 256) if vocab > 512 else len(SPECIALS)
     wl = WorkloadConfig(trace=args.trace, offset=args.offset, max_requests=args.max_requests,
                         time_scale=args.time_scale, length_scale=args.length_scale,
-                        max_output_tokens=args.max_output_tokens, vocab_size=vocab,
+                        output_scale=args.output_scale, max_output_tokens=args.max_output_tokens, vocab_size=vocab,
                         reserved_tokens=reserved)
     reqs = build_workload(wl)
     longest = max(len(r.prompt) + r.max_tokens for r in reqs)

@@ -48,6 +48,9 @@ def test_arrival_modes_and_validation(tmp_path):
                                          max_requests=4, max_output_tokens=3))
     assert [r.arrival_s for r in even] == [0.0, 0.25, 0.5, 0.75]
     assert [r.trace_index for r in even] == [5, 6, 7, 8] and even[0].max_tokens == 3
+    scaled = build_workload(WorkloadConfig(trace=trace, length_scale=0.5, output_scale=0.1,
+                                           max_requests=1))
+    assert scaled[0].max_tokens == 30 and len(scaled[0].prompt) == 5
     p1 = build_workload(WorkloadConfig(trace=trace, arrival="poisson", rate=2.0, seed=3))
     p2 = build_workload(WorkloadConfig(trace=trace, arrival="poisson", rate=2.0, seed=3))
     assert [r.arrival_s for r in p1] == [r.arrival_s for r in p2]

@@ -31,7 +31,7 @@ def _rates(text: str) -> list[float]:
 
 
 def serve(url: str, trace: Path, time_scale: float, max_requests: int, offset: int, rate: str,
-          poisson: bool, length_scale: float, max_output_tokens: int, ttft_slo: float,
+          poisson: bool, length_scale: float, output_scale: float, max_output_tokens: int, ttft_slo: float,
           tbt_slo: float, out: Optional[Path], max_duration: float, request_timeout: float,
           model: str, vocab_size: int, reserved_tokens: int, seed: int, plots: bool,
           progress: bool, server_traces: bool) -> dict[str, Any]:
@@ -44,7 +44,7 @@ def serve(url: str, trace: Path, time_scale: float, max_requests: int, offset: i
         raise ValueError("--poisson needs --rate")
     common = dict(trace=str(trace), max_requests=max_requests, offset=offset,
                   time_scale=time_scale, length_scale=length_scale,
-                  max_output_tokens=max_output_tokens, vocab_size=vocab_size,
+                  output_scale=output_scale, max_output_tokens=max_output_tokens, vocab_size=vocab_size,
                   reserved_tokens=reserved_tokens, seed=seed)
     arrival = "poisson" if poisson else "rate"
     if len(rates) <= 1:
@@ -85,6 +85,8 @@ def register(bench: typer.Typer, app: typer.Typer) -> None:
         poisson: bool = typer.Option(False, help="Poisson arrivals at --rate."),
         length_scale: float = typer.Option(1.0, help="Scale prompt and output lengths "
                                            "(each hash id -> round(512 x this) tokens)."),
+        output_scale: float = typer.Option(0.0, help="Scale output lengths by this instead "
+                                           "(0 = --length-scale)."),
         max_output_tokens: int = typer.Option(0, help="Cap max_tokens (0 = no cap)."),
         ttft_slo: float = typer.Option(30.0, help="TTFT SLO, seconds."),
         tbt_slo: float = typer.Option(200.0, help="TBT SLO, milliseconds."),
@@ -104,7 +106,7 @@ def register(bench: typer.Typer, app: typer.Typer) -> None:
         """Replay a Mooncake trace against a server: TTFT, TBT, goodput, cache hits."""
         try:
             summary = serve(url, trace, time_scale, max_requests, offset, rate, poisson,
-                            length_scale, max_output_tokens, ttft_slo, tbt_slo, out,
+                            length_scale, output_scale, max_output_tokens, ttft_slo, tbt_slo, out,
                             max_duration, request_timeout, model, vocab_size, reserved_tokens,
                             seed, plots, progress, server_traces)
         except ValueError as exc:
@@ -133,6 +135,8 @@ def register(bench: typer.Typer, app: typer.Typer) -> None:
         rate: float = typer.Option(0.0, help="Requests/s instead of trace timestamps."),
         poisson: bool = typer.Option(False, help="Poisson arrivals at --rate."),
         length_scale: float = typer.Option(1 / 32, help="Scale prompt and output lengths."),
+        output_scale: float = typer.Option(0.0, help="Scale output lengths by this instead "
+                                           "(0 = --length-scale)."),
         max_output_tokens: int = typer.Option(0, help="Cap max_tokens (0 = no cap)."),
         ttft_slo: float = typer.Option(30.0, help="TTFT SLO, seconds."),
         tbt_slo: float = typer.Option(200.0, help="TBT SLO, milliseconds."),
@@ -157,7 +161,7 @@ def register(bench: typer.Typer, app: typer.Typer) -> None:
                                 time_scale=time_scale,
                                 arrival=("poisson" if poisson else "rate") if rate else "trace",
                                 rate=rate, length_scale=length_scale,
-                                max_output_tokens=max_output_tokens, vocab_size=vocab_size,
+                                output_scale=output_scale, max_output_tokens=max_output_tokens, vocab_size=vocab_size,
                                 reserved_tokens=reserved_tokens, seed=seed)
             if poisson and not rate:
                 raise ValueError("--poisson needs --rate")

@@ -31,7 +31,8 @@ class WorkloadConfig:
     time_scale: float = 1.0        # arrival = trace timestamp * time_scale (trace mode)
     arrival: str = "trace"         # trace | rate (even gaps) | poisson
     rate: float = 0.0              # requests/s for rate and poisson
-    length_scale: float = 1.0      # prompt (and output) lengths times this
+    length_scale: float = 1.0      # prompt lengths times this
+    output_scale: float = 0.0      # output lengths times this; 0 = length_scale
     max_output_tokens: int = 0     # cap on max_tokens after scaling; 0 = no cap
     vocab_size: int = 256          # synthetic prompt ids are in [reserved, vocab_size)
     reserved_tokens: int = 0       # keep the lowest ids (special tokens) out of prompts
@@ -52,6 +53,8 @@ class WorkloadConfig:
             raise ValueError("rate must be > 0 with arrival=rate or poisson")
         if not 0 < self.length_scale <= 1:
             raise ValueError("length_scale must be in (0, 1]")
+        if self.output_scale < 0:
+            raise ValueError("output_scale must be >= 0 (0 = length_scale)")
         if self.max_output_tokens < 0:
             raise ValueError("max_output_tokens must be >= 0")
         if not 0 <= self.reserved_tokens < self.vocab_size:
@@ -114,7 +117,7 @@ def build_workload(cfg: WorkloadConfig) -> list[ReplayRequest]:
     for i, (r, at) in enumerate(zip(trace, _arrivals(trace, cfg))):
         prompt = scaled_prompt(r.hash_ids, r.input_length, b, cfg.vocab_size,
                                cfg.reserved_tokens)
-        out_len = max(1, math.ceil(r.output_length * cfg.length_scale))
+        out_len = max(1, math.ceil(r.output_length * (cfg.output_scale or cfg.length_scale)))
         if cfg.max_output_tokens:
             out_len = min(out_len, cfg.max_output_tokens)
         out.append(ReplayRequest(i, r.index, at, tuple(int(t) for t in prompt), out_len,

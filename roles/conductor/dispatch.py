@@ -180,7 +180,10 @@ class Dispatcher:
                 body["fetch"] = {"source_url": source.url, "to_block": decision.transfer.to_block}
             if stage_urls:
                 body["cpp"] = {"stage_urls": stage_urls}
-            sched.on_prefill_started(decision.prefill_node, request_id, time.monotonic())
+            # No on_prefill_started here: the request may still wait in the
+            # node's queue, and counting its estimate down from now would make
+            # a busy node look idle.  Its whole estimate stays booked until the
+            # prefill finishes (or the node's heartbeat reports its real queue).
             result = await self.call_node(prefill.url + "/internal/prefill", body, "prefill")
             prefill_done = True
             self._account_prefill(trace, result, decision, source)

@@ -145,6 +145,8 @@ def register(bench: typer.Typer, app: typer.Typer) -> None:
         max_duration: float = typer.Option(300.0, help="Bound on each run, seconds."),
         request_timeout: float = typer.Option(120.0, help="Bound on one request, seconds."),
         warmup: int = typer.Option(2, help="Untimed requests (unrelated prompts) per config."),
+        rounds: int = typer.Option(1, help="Run every config this many times, order rotated "
+                                   "each round; the table shows medians."),
         vocab_size: int = typer.Option(256, help="Prompt token ids are < this."),
         reserved_tokens: int = typer.Option(0, help="Prompt token ids are >= this."),
         seed: int = typer.Option(0, help="Seed of Poisson arrivals."),
@@ -175,7 +177,7 @@ def register(bench: typer.Typer, app: typer.Typer) -> None:
             replay = ReplayConfig(url="http://unused", max_duration_s=max_duration,
                                   request_timeout_s=request_timeout)
             warm = warmup_requests(warmup, 2048, wl.block_tokens, vocab_size, reserved_tokens)
-            result = run_compare(targets, reqs, replay, slo, out, plots, progress, warm)
+            result = run_compare(targets, reqs, replay, slo, out, plots, progress, warm, rounds)
         except ValueError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None

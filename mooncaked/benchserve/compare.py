@@ -86,6 +86,7 @@ class Target:
 
 
 def cluster_target(name: str, shape: ClusterShape, log_dir: Optional[Path] = None) -> Target:
+    """A preset as a Target; every start() launches a fresh cluster (cold caches)."""
     from mooncaked.launcher import LocalCluster
 
     if name not in PRESETS:
@@ -93,24 +94,33 @@ def cluster_target(name: str, shape: ClusterShape, log_dir: Optional[Path] = Non
                          f"(known: {', '.join(PRESETS)})")
     preset = PRESETS[name]
     colocated = preset.layout == "colocated"
-    cluster = LocalCluster(prefill=shape.colocated if colocated else shape.prefill,
-                           decode=0 if colocated else shape.decode, model=shape.model,
-                           overrides=[*shape.overrides, *preset.overrides],
-                           log_dir=log_dir / name if log_dir else None)
-    if colocated:
-        cluster.role_of_workers = ("colocated", "decode")
     nodes = (f"{shape.colocated} colocated" if colocated
              else f"{shape.prefill}P+{shape.decode}D")
+    state: dict[str, LocalCluster] = {}
+    starts = [0]
 
     def start() -> str:
+        starts[0] += 1
+        logs = log_dir / name / f"start_{starts[0]}" if log_dir else None
+        cluster = LocalCluster(prefill=shape.colocated if colocated else shape.prefill,
+                               decode=0 if colocated else shape.decode, model=shape.model,
+                               overrides=[*shape.overrides, *preset.overrides], log_dir=logs)
+        if colocated:
+            cluster.role_of_workers = ("colocated", "decode")
+        state["cluster"] = cluster
         try:
             cluster.start(timeout_s=shape.start_timeout_s)
         except Exception:
-            cluster.stop()
+            stop()
             raise
         return cluster.url
 
-    return Target(name, f"{preset.description} ({nodes})", start, cluster.stop)
+    def stop() -> None:
+        cluster = state.pop("cluster", None)
+        if cluster is not None:
+            cluster.stop()
+
+    return Target(name, f"{preset.description} ({nodes})", start, stop)
 
 
 def warmup_requests(n: int, length: int, block_tokens: int, vocab_size: int,
@@ -128,35 +138,45 @@ def warmup_requests(n: int, length: int, block_tokens: int, vocab_size: int,
 
 def run_compare(targets: list[Target], reqs: list[ReplayRequest], replay: ReplayConfig,
                 slo: Slo, out: Optional[Path], plots: bool = True, progress: bool = True,
-                warmup: list[ReplayRequest] | None = None) -> dict[str, Any]:
-    """Each target in turn: start, warm up, replay ``reqs``, stop."""
-    runs: dict[str, BenchRun] = {}
-    descriptions = {}
-    for target in targets:
-        print(f"== {target.name}: {target.description}: starting", file=sys.stderr, flush=True)
-        t0 = time.monotonic()
-        url = target.start()
-        try:
-            cfg = ReplayConfig(**{**replay.__dict__, "url": url})
-            if warmup:
-                run_replay(ReplayConfig(**{**cfg.__dict__, "server_traces": False}), warmup)
-            runs[target.name] = run_bench(
-                reqs, cfg, slo, out / target.name if out else None, plots, progress,
-                label=target.name, extra_meta={"config": target.description,
-                                               "start_s": time.monotonic() - t0})
-        finally:
-            target.stop()
-        descriptions[target.name] = target.description
-    table = comparison_table(runs, descriptions)
+                warmup: list[ReplayRequest] | None = None, rounds: int = 1) -> dict[str, Any]:
+    """Each target in turn: start, warm up, replay ``reqs``, stop; ``rounds``
+    times, the order rotated each round so that no configuration always runs
+    first (on a shared machine the load drifts).  The table gives medians
+    over rounds; ratios are against the first target."""
+    if rounds < 1:
+        raise ValueError("rounds must be >= 1")
+    runs: dict[str, list[BenchRun]] = {t.name: [] for t in targets}
+    for rnd in range(rounds):
+        order = targets[rnd % len(targets):] + targets[:rnd % len(targets)]
+        for target in order:
+            print(f"== round {rnd + 1}/{rounds} {target.name}: {target.description}: starting",
+                  file=sys.stderr, flush=True)
+            sub = None
+            if out is not None:
+                sub = out / target.name / f"round_{rnd + 1}" if rounds > 1 else out / target.name
+            t0 = time.monotonic()
+            url = target.start()
+            try:
+                cfg = ReplayConfig(**{**replay.__dict__, "url": url})
+                if warmup:
+                    run_replay(ReplayConfig(**{**cfg.__dict__, "server_traces": False}), warmup)
+                runs[target.name].append(run_bench(
+                    reqs, cfg, slo, sub, plots, progress, label=target.name,
+                    extra_meta={"config": target.description, "round": rnd + 1,
+                                "start_s": time.monotonic() - t0}))
+            finally:
+                target.stop()
+    table = comparison_table(runs, {t.name: t.description for t in targets})
     result = {"note": MACHINE_NOTE, "slo": {"ttft_s": slo.ttft_s, "tbt_ms": slo.tbt_ms},
-              "requests": len(reqs), "rows": table}
+              "requests": len(reqs), "rounds": rounds, "rows": table}
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "compare.json").write_text(json.dumps(result, indent=1))
         (out / "compare.md").write_text(markdown_table(table) + "\n")
         if plots:
             plot_compare(out / "compare.png", table)
-            plot_cdfs(out / "compare_cdf.png", {k: v.results for k, v in runs.items()},
+            plot_cdfs(out / "compare_cdf.png",
+                      {k: [r for run in v for r in run.results] for k, v in runs.items()},
                       result["slo"], MACHINE_NOTE)
     return result
 
@@ -165,7 +185,7 @@ def run_compare(targets: list[Target], reqs: list[ReplayRequest], replay: Replay
 COLUMNS = (
     ("name", "config", "{}"),
     ("ok_of_sent", "ok/sent", "{}"),
-    ("rejected", "429", "{}"),
+    ("rejected", "429", "{:g}"),
     ("ttft_mean_s", "TTFT mean s", "{:.2f}"),
     ("ttft_p90_s", "TTFT p90 s", "{:.2f}"),
     ("tbt_p90_ms", "TBT p90 ms", "{:.0f}"),
@@ -183,23 +203,42 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
 
 
-def comparison_table(runs: dict[str, BenchRun], descriptions: dict[str, str]
+def _row(run: BenchRun) -> dict[str, Any]:
+    s = run.summary
+    return {
+        "ok": s["ok"], "sent": s["sent"], "rejected": s["rejected"],
+        "errors": s["error"] + s["timeout"],
+        "ttft_mean_s": s["ttft_s"].get("mean"), "ttft_p90_s": s["ttft_s"].get("p90"),
+        "tbt_p90_ms": s["tbt_s"]["p90"] * 1000 if s["tbt_s"].get("n") else None,
+        "effective_request_capacity": s["effective_request_capacity"],
+        "goodput_rps": s["goodput_rps"], "cache_hit_ratio": s["cache_hit_ratio"],
+        "theoretical_hit_ratio": s.get("theoretical_hit_ratio"),
+        "prefill_compute_s": s["prefill_compute_s"],
+        "prefill_tokens_computed": s["prefill_tokens_computed"],
+    }
+
+
+def _median(xs: list[Any]) -> Any:
+    vals = sorted(x for x in xs if x is not None)
+    if not vals:
+        return None
+    mid = len(vals) // 2
+    return vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+
+
+def comparison_table(runs: dict[str, list[BenchRun]], descriptions: dict[str, str]
                      ) -> list[dict[str, Any]]:
+    """One row per configuration: the median of each figure over its rounds
+    (the per-round figures are kept under ``rounds``)."""
     rows = []
-    for name, run in runs.items():
-        s = run.summary
-        rows.append({
-            "name": name, "description": descriptions.get(name, ""),
-            "ok_of_sent": f"{s['ok']}/{s['sent']}", "ok": s["ok"], "sent": s["sent"],
-            "rejected": s["rejected"], "errors": s["error"] + s["timeout"],
-            "ttft_mean_s": s["ttft_s"].get("mean"), "ttft_p90_s": s["ttft_s"].get("p90"),
-            "tbt_p90_ms": s["tbt_s"]["p90"] * 1000 if s["tbt_s"].get("n") else None,
-            "effective_request_capacity": s["effective_request_capacity"],
-            "goodput_rps": s["goodput_rps"], "cache_hit_ratio": s["cache_hit_ratio"],
-            "theoretical_hit_ratio": s.get("theoretical_hit_ratio"),
-            "prefill_compute_s": s["prefill_compute_s"],
-            "prefill_tokens_computed": s["prefill_tokens_computed"],
-        })
+    for name, name_runs in runs.items():
+        per_round = [_row(run) for run in name_runs]
+        row: dict[str, Any] = {"name": name, "description": descriptions.get(name, "")}
+        for key in per_round[0]:
+            row[key] = _median([r[key] for r in per_round])
+        row["ok_of_sent"] = "/".join(str(sum(r[k] for r in per_round)) for k in ("ok", "sent"))
+        row["rounds"] = per_round
+        rows.append(row)
     if rows:
         base = rows[0]
         for r in rows:

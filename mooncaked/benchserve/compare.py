@@ -192,6 +192,7 @@ COLUMNS = (
     ("effective_request_capacity", "effective", "{:.0%}"),
     ("goodput_rps", "goodput req/s", "{:.3f}"),
     ("cache_hit_ratio", "cache hit", "{:.1%}"),
+    ("prefill_tokens_computed", "prefill tokens", "{:.0f}"),
     ("prefill_compute_s", "prefill compute s", "{:.1f}"),
     ("x_goodput", "goodput x", "{:.2f}"),
     ("x_ttft_mean", "TTFT x", "{:.2f}"),
@@ -264,7 +265,9 @@ def plot_compare(path: Path, rows: list[dict[str, Any]]) -> Path:
 
     plt = _pyplot()
     metrics = (("goodput_rps", "goodput"), ("effective_request_capacity", "effective share"),
-               ("cache_hit_ratio", "cache hit ratio"), ("prefill_compute_s", "prefill compute s"),
+               ("cache_hit_ratio", "cache hit ratio"),
+               ("prefill_tokens_computed", "prefill tokens computed"),
+               ("prefill_compute_s", "prefill compute s"),
                ("ttft_mean_s", "mean TTFT"))
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows) + 2), 4))
     width = 0.8 / len(metrics)

@@ -100,3 +100,28 @@ def test_kill_decode_node_mid_decode(cluster):
     status, body = complete(cluster.url, tokens(100, seed=4), max_tokens=5, model=MODEL)
     assert status == 200, body
     wait_until(lambda: not leaked(cluster), 10, what="prefill pins released")
+
+
+def test_reservations_outlive_a_long_prefill_queue_but_not_their_owner(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.nodes import post_json
+
+    c = start_cluster(tmp_path, prefill=1, decode=1, model=MODEL,
+                      extra=["decode.reservation_timeout_s=1", "model.prefill_chunk=512",
+                             "store.capacity_bytes=134217728"])
+    try:
+        # Four 2k-token prompts queue at one prefill node for well over the
+        # 1 s reservation timeout: the conductor keeps their reservations alive.
+        prompts = [tokens(2048, seed=20 + i) for i in range(4)]
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            results = list(pool.map(lambda p: complete(c.url, p, max_tokens=3, model=MODEL), prompts))
+        assert [s for s, _ in results] == [200] * 4, results
+        # A reservation nobody owns (no conductor touching it) expires.
+        decode = next(ch for ch in c.children if ch.role == "decode")
+        status, _ = post_json(decode.url + "/internal/decode/reserve",
+                              {"request_id": "orphan", "total_tokens": 64})
+        assert status == 200
+        wait_until(lambda: not leaked(c), 10, what="the orphan reservation to expire")
+    finally:
+        c.stop()

@@ -131,8 +131,11 @@ def setup_conductor(app: web.Application, ctx) -> None:
     async def dispatcher_ctx(app: web.Application):
         http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
                                      connector=aiohttp.TCPConnector(limit=0))
+        # Decode nodes expire untouched reservations after decode.reservation_timeout_s
+        # (the cluster shares one config): touch them three times per period.
         dispatcher = Dispatcher(cluster, http, metrics, cfg.store.hash_seed,
-                                tokenizer.eos_token_ids, cfg.node.cluster_token)
+                                tokenizer.eos_token_ids, cfg.node.cluster_token,
+                                reservation_keepalive_s=cfg.decode.reservation_timeout_s / 3)
         app[DISPATCHER] = dispatcher
         app[OPENAI_BACKEND] = ClusterBackend(dispatcher, tokenizer, model_name,
                                              model_config.max_position)

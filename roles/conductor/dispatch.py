@@ -28,6 +28,7 @@ import orjson
 from kvstore.keys import block_keys
 from model.sampling import SamplingParams
 from mooncaked.errors import ApiError
+from mooncaked.tasks import cancel_and_wait
 from roles.conductor.cluster import ClusterView
 from roles.conductor.metrics import ConductorMetrics
 from roles.conductor.openai_types import Scheduled, Token
@@ -78,7 +79,7 @@ class RequestTrace:
 class Dispatcher:
     def __init__(self, cluster: ClusterView, http: aiohttp.ClientSession, metrics: ConductorMetrics,
                  hash_seed: int, eos_ids: list[int], cluster_token: str = "",
-                 keep_traces: int = 256) -> None:
+                 keep_traces: int = 256, reservation_keepalive_s: float = 20.0) -> None:
         self.cluster = cluster
         self.http = http
         self.metrics = metrics
@@ -87,6 +88,7 @@ class Dispatcher:
         self.headers = {"Authorization": f"Bearer {cluster_token}"} if cluster_token else {}
         self.traces: collections.OrderedDict[str, RequestTrace] = collections.OrderedDict()
         self.keep_traces = keep_traces
+        self.reservation_keepalive_s = reservation_keepalive_s
 
     def _remember(self, trace: RequestTrace) -> None:
         self.traces[trace.request_id] = trace
@@ -106,6 +108,19 @@ class Dispatcher:
             status = 503 if resp.status in (503, 429) else 502
             raise ApiError(status, f"{what} failed (HTTP {resp.status}): {message}")
         return data
+
+    async def _keep_reserved(self, decode_url: str, request_id: str) -> None:
+        """While the prefill is queued or running, keep the decode node's
+        reservation from expiring (expiry is for requests nobody owns)."""
+        while True:
+            await asyncio.sleep(self.reservation_keepalive_s)
+            try:
+                async with self.http.post(decode_url + "/internal/decode/touch",
+                                          json={"request_id": request_id}, headers=self.headers,
+                                          timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                    await resp.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                log.warning("%s: keeping the decode reservation alive failed: %s", request_id, exc)
 
     async def _cancel(self, url: str, request_id: str) -> None:
         try:
@@ -184,7 +199,11 @@ class Dispatcher:
             # node's queue, and counting its estimate down from now would make
             # a busy node look idle.  Its whole estimate stays booked until the
             # prefill finishes (or the node's heartbeat reports its real queue).
-            result = await self.call_node(prefill.url + "/internal/prefill", body, "prefill")
+            keepalive = asyncio.ensure_future(self._keep_reserved(decode.url, request_id))
+            try:
+                result = await self.call_node(prefill.url + "/internal/prefill", body, "prefill")
+            finally:
+                await cancel_and_wait(keepalive)
             prefill_done = True
             self._account_prefill(trace, result, decision, source)
             trace.ttft_s = time.perf_counter() - t0

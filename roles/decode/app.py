@@ -4,6 +4,7 @@ POST /internal/decode/reserve   {request_id, total_tokens}
                                 -> {pages, segment, region}   (503 when out of pages)
 POST /internal/decode/generate  {request_id, prompt_len, first_token, sampling}
                                 -> NDJSON stream: {"token", "logprob", "finish_reason"} per line
+POST /internal/decode/touch     {request_id}     keep a reservation alive while its prefill runs
 POST /internal/decode/cancel    {request_id}
 """
 
@@ -86,6 +87,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+async def touch(request: web.Request) -> web.Response:
+    body = await _object(request)
+    if not request.app[BATCHER].touch(body["request_id"]):
+        raise ApiError(404, f"no reservation for request {body['request_id']}")
+    return json_response({"ok": True})
+
+
 async def cancel(request: web.Request) -> web.Response:
     body = await _object(request)
     return json_response({"cancelled": request.app[BATCHER].release(body["request_id"], "cancelled")})
@@ -110,6 +118,7 @@ def add_decode_service(app: web.Application, ctx, worker) -> None:
     app.router.add_post("/internal/decode/reserve", reserve)
     app.router.add_post("/internal/decode/generate", generate)
     app.router.add_post("/internal/decode/cancel", cancel)
+    app.router.add_post("/internal/decode/touch", touch)
 
 
 def setup_decode(app: web.Application, ctx) -> None:

@@ -8,8 +8,10 @@ A request's life here:
             the running batch with its first token; each step decodes every
             running sequence at once and pushes one token per sequence;
   finish    EOS/stop token, max_tokens, cancel or client gone: pages freed.
-A reservation whose ``generate`` never comes (its prefill node died) is freed
-after ``reservation_timeout_s``.
+A reservation whose ``generate`` never comes is freed after
+``reservation_timeout_s`` without a ``touch`` (the conductor touches it while
+the request's prefill is queued or running, so only a dead conductor or a
+lost request lets it expire).
 """
 
 from __future__ import annotations
@@ -74,6 +76,15 @@ class DecodeBatcher:
         pages = self.shard.allocate(-(-total_tokens // self.bs))  # StoreFullError if it cannot
         self.seqs[request_id] = Sequence(request_id, pages, time.monotonic())
         return pages
+
+    def touch(self, request_id: str) -> bool:
+        """The conductor still owns this reservation (its prefill is queued or
+        running): restart the expiry clock."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return False
+        seq.reserved_at = time.monotonic()
+        return True
 
     def release(self, request_id: str, reason: str) -> bool:
         seq = self.seqs.pop(request_id, None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -171,4 +172,44 @@ def decode_layer(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer: int,
         q[:, :, None, :], kv[0], kv[1], attn_mask=valid[:, None, None, :],
         enable_gqa=True)  # [B, heads, 1, hd]
     x = x + F.linear(out.reshape(bsz, -1), w.o)
+    return x + mlp(rms_norm(x, w.mlp_norm, c.rms_eps), w)
+
+
+class VarlenSeq(NamedTuple):
+    """One request inside a batched prefill: rows [offset, offset + n) of x are
+    its tokens [start, start + n); its KV lives in the pages of block_table."""
+    offset: int
+    n: int
+    start: int
+    block_table: torch.Tensor
+    mask: torch.Tensor | None  # prefix_causal_mask(n, start) when start > 0
+
+
+def prefill_layer_varlen(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer: int,
+                         kv_pages: torch.Tensor, seqs: list[VarlenSeq], cos: torch.Tensor,
+                         sin: torch.Tensor,
+                         on_kv_written: Callable[[int, int], None] | None) -> torch.Tensor:
+    """One decoder layer over several requests' tokens at once.
+
+    The projections and the MLP run once over all rows (the batching win);
+    KV writes and attention stay per request, each over its own pages.
+    ``on_kv_written(seq_index, layer)`` fires once a request's KV of this
+    layer is in its pages.
+    """
+    block_size = kv_pages.shape[3]
+    q, k, v = _qkv(rms_norm(x, w.attn_norm, c.rms_eps), w, c, cos, sin)
+    outs = []
+    for i, s in enumerate(seqs):
+        rows = slice(s.offset, s.offset + s.n)
+        end = s.start + s.n
+        pos = torch.arange(s.start, end, device=x.device)
+        write_kv(kv_pages, layer, s.block_table[pos // block_size], pos % block_size, k[rows], v[rows])
+        if on_kv_written is not None:
+            on_kv_written(i, layer)
+        keys, values = gather_kv(kv_pages, layer, s.block_table, end)
+        out = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1)[None], keys[None], values[None], attn_mask=s.mask,
+            is_causal=s.mask is None, enable_gqa=True)
+        outs.append(out[0].transpose(0, 1).reshape(s.n, -1))
+    x = x + F.linear(torch.cat(outs), w.o)
     return x + mlp(rms_norm(x, w.mlp_norm, c.rms_eps), w)

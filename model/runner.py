@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from kvstore.layout import PageLayout
 from model.config import RuntimeConfig, page_layout
-from model.llama import Rope, decode_layer, prefill_layer, prefix_causal_mask, rms_norm
+from model.llama import (Rope, VarlenSeq, decode_layer, prefill_layer, prefill_layer_varlen,
+                         prefix_causal_mask, rms_norm)
 from model.weights import TORCH_DTYPES, ModelWeights, load_weights
 
 # layer_hook(chunk_start, chunk_end, layer): the KV of tokens [chunk_start,
@@ -137,6 +138,53 @@ class ModelRunner:
                                  start, layer_hook)
             start = end
         return self._logits(x[-1])
+
+    @torch.inference_mode()
+    def prefill_batch(self, requests: Sequence[tuple[Sequence[int], Sequence[int], int]], *,
+                      layer_hook: Callable[[int, int, int, int], None] | None = None
+                      ) -> list[torch.Tensor]:
+        """Several requests' uncached suffixes in one forward pass.
+
+        requests: (token_ids, block_table, num_cached_tokens) each, as for
+        ``prefill`` but without chunking (the caller batches short suffixes).
+        The projections and MLP run once over all new tokens; attention runs
+        per request over its own pages, so every result equals ``prefill`` of
+        that request alone.  ``layer_hook(i, start, end, layer)`` fires when
+        request i's KV of tokens [start, end) of ``layer`` is in its pages.
+        Returns float32 logits [vocab] of each request's last token.
+        """
+        self._need_all_layers("prefill_batch")
+        if not requests:
+            raise ValueError("prefill_batch needs at least one request")
+        w, c = self.weights, self.config
+        seqs, positions, tokens = [], [], []
+        offset = 0
+        for token_ids, block_table, cached in requests:
+            n_all = len(token_ids)
+            if not 0 <= cached < n_all:
+                raise ValueError(f"num_cached_tokens must be in [0, {n_all}), got {cached}")
+            if n_all > c.max_position:
+                raise ValueError(f"{n_all} tokens exceed max_position {c.max_position}")
+            self._check_tokens(token_ids)
+            table = self._block_table(block_table, n_all)
+            n = n_all - cached
+            mask = prefix_causal_mask(n, cached, w.dtype, self.device) if cached else None
+            seqs.append(VarlenSeq(offset, n, cached, table, mask))
+            positions.append(torch.arange(cached, n_all, device=self.device))
+            tokens.extend(token_ids[cached:])
+            offset += n
+        cos, sin = self.rope.cos_sin(torch.cat(positions), w.dtype)
+        x = F.embedding(torch.tensor(tokens, dtype=torch.long, device=self.device), w.embed)
+        hook = None
+        if layer_hook is not None:
+            def hook(i: int, layer: int) -> None:
+                s = seqs[i]
+                layer_hook(i, s.start, s.start + s.n, layer)
+        for i, lw in enumerate(w.layers):
+            x = prefill_layer_varlen(x, lw, c, w.first_layer + i, self.kv_pages, seqs, cos, sin, hook)
+        last_rows = torch.tensor([s.offset + s.n - 1 for s in seqs], device=self.device)
+        logits = self._logits(x[last_rows])
+        return list(logits)
 
     @torch.inference_mode()
     def prefill_stage(self, inputs: torch.Tensor | Sequence[int], block_table: Sequence[int],

@@ -10,6 +10,9 @@ class PrefillSection:
     # Reuse cached prefixes and keep new blocks (the store shard as a cache).
     # false = recompute every prompt in full: the "no prefix caching" baseline.
     prefix_cache: bool = True
+    # Short queued requests (prompts up to model.prefill_chunk tokens) are
+    # prefilled together, up to this many tokens per forward pass.
+    batch_tokens: int = 4096
     # Largest number of requests waiting in the prefill queue (503 above).
     max_queue: int = 256
     # Give up on a peer prefix fetch after this long and recompute instead.
@@ -27,8 +30,8 @@ class PrefillSection:
     cpp_chunk_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.max_queue <= 0:
-            raise ValueError("prefill.max_queue must be positive")
+        if self.max_queue <= 0 or self.batch_tokens <= 0:
+            raise ValueError("prefill.max_queue and prefill.batch_tokens must be positive")
         if self.fetch_timeout_s <= 0:
             raise ValueError("prefill.fetch_timeout_s must be positive")
         if self.cpp_stages < 1 or not 0 <= self.cpp_stage < self.cpp_stages:

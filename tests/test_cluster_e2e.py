@@ -96,3 +96,24 @@ def test_client_disconnect_frees_everything(cluster):
 def test_nothing_stays_pinned_after_requests(cluster):
     wait_until(lambda: not leaked(cluster), 10, what="no pinned or reserved pages")
     assert leaked(cluster) == {}
+
+
+def test_concurrent_short_prompts_are_prefilled_in_batches(cluster):
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [tokens(18 + i, seed=300 + i) for i in range(8)]  # each fits one chunk (32)
+
+    def status_batches() -> int:
+        return sum(get_json(c.url + "/admin/status")[1]["prefill"]["batched_requests"]
+                   for c in cluster.children if c.role == "prefill")
+
+    before = status_batches()
+    for _ in range(3):  # bounded: a burst usually queues several requests at once
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            results = list(pool.map(lambda p: complete(cluster.url, p, max_tokens=4), prompts))
+        for prompt, (status, body) in zip(prompts, results):
+            assert status == 200, body
+            assert trace_of(cluster.url, body)["output_token_ids"] == reference_greedy("tiny", prompt, 4)
+        if status_batches() > before:
+            break
+    assert status_batches() > before

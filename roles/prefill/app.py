@@ -85,7 +85,7 @@ def add_prefill_service(app: web.Application, ctx, worker) -> None:
         cfg = ctx.config
         svc = PrefillService(worker, cfg.model.prefill_chunk, cfg.prefill.max_queue,
                              cfg.prefill.fetch_timeout_s, cfg.prefill.prefix_cache,
-                             cfg.prefill.cpp_chunk_timeout_s)
+                             cfg.prefill.cpp_chunk_timeout_s, cfg.prefill.batch_tokens)
         stages = None
         if worker.cpp:
             stages = CppStages(worker, cfg.model.prefill_chunk, cfg.prefill.cpp_chunk_timeout_s)

@@ -210,7 +210,7 @@ class StageRun:
         if self.closed:
             return
         self.closed = True
-        await self.job._cleanup()
+        await self.job.cleanup()
         self.worker.act_free.append(self.slot)
 
 

@@ -204,53 +204,73 @@ class PrefillJob:
         self.sends.append(asyncio.ensure_future(self.worker.engine.transfer(requests)))
 
     # -- the whole job --------------------------------------------------------
-    async def run(self) -> PrefillResult:
+    # run() = prepare() -> compute -> finish(); the prefill queue may instead
+    # prepare several short jobs, compute them in one batched forward pass and
+    # finish each (PrefillService).  Whoever calls prepare() calls cleanup().
+    async def prepare(self) -> None:
+        """Step 1 and the page allocation: afterwards ``table`` covers the
+        prompt and ``cached`` tokens of it need no compute."""
         spec, shard, bs = self.spec, self.shard, self.bs
         n = len(spec.token_ids)
-        loop = asyncio.get_running_loop()
-        result = PrefillResult(first_token=-1, logprob=0.0)
-        t_start = time.perf_counter()
+        self.result = result = PrefillResult(first_token=-1, logprob=0.0)
+        self.t_start = time.perf_counter()
+        prefix_pages = await self._load_prefix(result)
+        # At least the last prompt token is computed (it yields the logits).
+        usable = min(len(prefix_pages), (n - 1) // bs)
+        if usable < len(prefix_pages):
+            shard.release(self.pinned_keys[usable:])
+            del self.pinned_keys[usable:]
+            dropped = (len(prefix_pages) - usable) * bs
+            result.fetched_tokens -= min(result.fetched_tokens, dropped)
+            result.local_hit_tokens = min(result.local_hit_tokens, usable * bs)
+            prefix_pages = prefix_pages[:usable]
+        self.usable = usable
+        self.cached = usable * bs
+        new_pages = shard.allocate(-(-n // bs) - usable)
+        self.private_pages += new_pages
+        self.table = prefix_pages + new_pages
+        self._send(self.table, 0, usable, None)
+
+    def layer_hook(self, loop: asyncio.AbstractEventLoop, abort_on_cancel: bool = True):
+        """The runner's per-(chunk, layer) callback: it runs on the compute
+        thread and hands the KV send of that layer to the event loop."""
+        table, bs = self.table, self.bs
+
+        def hook(start: int, end: int, layer: int) -> None:
+            if self.cancelled and abort_on_cancel:
+                raise PrefillCancelled()
+            loop.call_soon_threadsafe(self._send, table, start // bs, -(-end // bs), (layer, layer + 1))
+            self.stream_log.append((end, layer, time.perf_counter()))
+        return hook
+
+    async def finish(self, logits: Any, t_compute: float, compute_s: float) -> PrefillResult:
+        """Sample the first token, keep the new blocks, wait for the KV sends."""
+        spec, result = self.spec, self.result
+        if self.cancelled:
+            raise PrefillCancelled()
+        result.timings["compute_s"] = compute_s
+        result.computed_tokens = len(spec.token_ids) - self.cached
+        result.first_token, result.logprob = sample(logits, spec.sampling,
+                                                    spec.sampling.make_generator())
+        if self.prefix_cache:
+            self._publish_new_blocks(self.table, self.usable)
+        t_wait = time.perf_counter()
+        await asyncio.gather(*self.sends)
+        result.timings["transfer_wait_s"] = time.perf_counter() - t_wait
+        if self.stream_log:
+            result.timings["first_layer_sent_s"] = self.stream_log[0][2] - t_compute
+        result.timings["total_s"] = time.perf_counter() - self.t_start
+        return result
+
+    async def run(self) -> PrefillResult:
         try:
-            prefix_pages = await self._load_prefix(result)
-            # At least the last prompt token is computed (it yields the logits).
-            usable = min(len(prefix_pages), (n - 1) // bs)
-            if usable < len(prefix_pages):
-                shard.release(self.pinned_keys[usable:])
-                del self.pinned_keys[usable:]
-                dropped = (len(prefix_pages) - usable) * bs
-                result.fetched_tokens -= min(result.fetched_tokens, dropped)
-                result.local_hit_tokens = min(result.local_hit_tokens, usable * bs)
-                prefix_pages = prefix_pages[:usable]
-            cached = usable * bs
-            new_pages = shard.allocate(-(-n // bs) - usable)
-            self.private_pages += new_pages
-            table = prefix_pages + new_pages
-            self._send(table, 0, usable, None)
-
-            def layer_hook(start: int, end: int, layer: int) -> None:
-                # Runs on the compute thread: hand the send to the loop.
-                if self.cancelled:
-                    raise PrefillCancelled()
-                loop.call_soon_threadsafe(self._send, table, start // bs, -(-end // bs), (layer, layer + 1))
-                self.stream_log.append((end, layer, time.perf_counter()))
-
+            await self.prepare()
+            hook = self.layer_hook(asyncio.get_running_loop())
             t_compute = time.perf_counter()
-            logits = await self.worker.compute(self._prefill, table, cached, layer_hook)
-            result.timings["compute_s"] = time.perf_counter() - t_compute
-            result.computed_tokens = n - cached
-            result.first_token, result.logprob = sample(logits, spec.sampling,
-                                                        spec.sampling.make_generator())
-            if self.prefix_cache:
-                self._publish_new_blocks(table, usable)
-            t_wait = time.perf_counter()
-            await asyncio.gather(*self.sends)
-            result.timings["transfer_wait_s"] = time.perf_counter() - t_wait
-            if self.stream_log:
-                result.timings["first_layer_sent_s"] = self.stream_log[0][2] - t_compute
-            result.timings["total_s"] = time.perf_counter() - t_start
-            return result
+            logits = await self.worker.compute(self._prefill, self.table, self.cached, hook)
+            return await self.finish(logits, t_compute, time.perf_counter() - t_compute)
         finally:
-            await self._cleanup()
+            await self.cleanup()
 
     def _prefill(self, table: list[int], cached: int, hook) -> Any:
         return self.worker.runner.prefill(self.spec.token_ids, table, cached,
@@ -266,7 +286,7 @@ class PrefillJob:
             if published.stored:
                 self.private_pages.remove(page)
 
-    async def _cleanup(self) -> None:
+    async def cleanup(self) -> None:
         # In-flight sends read our pages: they must end before pages are released.
         if self.sends:
             for task in self.sends:
@@ -295,5 +315,5 @@ async def prefetch(worker, source_url: str, token_ids: list[int], block_keys: li
     try:
         await job._load_prefix(result)
     finally:
-        await job._cleanup()  # unpin: the blocks stay cached, evictable like any other
+        await job.cleanup()  # unpin: the blocks stay cached, evictable like any other
     return result.local_hit_tokens + result.fetched_tokens, result.fetch_failed

@@ -1,14 +1,19 @@
-"""The prefill queue: requests wait here, then run one at a time.
+"""The prefill queue: requests wait here, then run in steps.
 
-One request computes at a time (its chunks keep the compute thread busy);
-KV streaming, peer fetches and HTTP stay on the event loop meanwhile.  The
-queue's estimated work (tokens still to compute / measured tokens per
-second) is what the node reports to the conductor as its queued prefill time.
+A step is either one long request (its chunks keep the compute thread busy;
+a CPP request drives its whole group) or a batch of short ones: queued
+requests whose prompts fit in ``prefill_chunk`` tokens are taken together,
+up to ``batch_tokens`` tokens, and computed in one forward pass (each still
+attends only to its own pages).  KV streaming, peer fetches and HTTP stay on
+the event loop meanwhile.  The queue's estimated work (tokens still to
+compute / measured tokens per second) is what the node reports to the
+conductor as its queued prefill time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from dataclasses import dataclass, field
@@ -25,6 +30,7 @@ class _Queued:
     job: "PrefillJob | GroupPrefill"
     tokens: int
     enqueued_at: float
+    queue_s: float = 0.0
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -34,16 +40,21 @@ class QueueFull(Exception):
 
 class PrefillService:
     def __init__(self, worker, chunk_size: int, max_queue: int, fetch_timeout_s: float,
-                 prefix_cache: bool = True, cpp_timeout_s: float = 60.0) -> None:
+                 prefix_cache: bool = True, cpp_timeout_s: float = 60.0,
+                 batch_tokens: int = 4096) -> None:
         self.worker = worker
         self.chunk_size = chunk_size
         self.max_queue = max_queue
         self.fetch_timeout_s = fetch_timeout_s
         self.prefix_cache = prefix_cache
         self.cpp_timeout_s = cpp_timeout_s
-        self.queue: asyncio.Queue[_Queued] = asyncio.Queue()
-        self.jobs: dict[str, PrefillJob] = {}
-        self.running: _Queued | None = None
+        self.batch_tokens = batch_tokens
+        self.queue: collections.deque[_Queued] = collections.deque()
+        self._wake = asyncio.Event()
+        self.jobs: dict[str, PrefillJob | GroupPrefill] = {}
+        self.running: list[_Queued] = []
+        self.batches = 0
+        self.batched_requests = 0
         self.queued_tokens = 0
         # Measured compute speed (EWMA), seeded with a pessimistic guess.
         self.tokens_per_s = 2000.0
@@ -56,13 +67,13 @@ class PrefillService:
 
     async def close(self) -> None:
         await cancel_and_wait(self._task)
-        while not self.queue.empty():
-            item = self.queue.get_nowait()
+        while self.queue:
+            item = self.queue.popleft()
             if not item.done.done():
                 item.done.set_exception(PrefillCancelled("node shutting down"))
 
     async def submit(self, spec: PrefillSpec) -> PrefillResult:
-        if self.queue.qsize() >= self.max_queue:
+        if len(self.queue) >= self.max_queue:
             raise QueueFull(f"prefill queue full ({self.max_queue} requests)")
         if spec.request_id in self.jobs:
             raise ValueError(f"request {spec.request_id} is already queued here")
@@ -79,7 +90,8 @@ class PrefillService:
         item = _Queued(job, len(spec.token_ids), time.perf_counter())
         self.jobs[spec.request_id] = job
         self.queued_tokens += item.tokens
-        await self.queue.put(item)
+        self.queue.append(item)
+        self._wake.set()
         try:
             return await asyncio.shield(item.done)
         finally:
@@ -92,38 +104,129 @@ class PrefillService:
         job.cancelled = True
         return True
 
+    def _batchable(self, item: _Queued) -> bool:
+        return isinstance(item.job, PrefillJob) and item.tokens <= self.chunk_size \
+            and not item.job.spec.fetch_source_url
+
+    def _next_step(self) -> list[_Queued]:
+        """The head of the queue, plus the short requests right behind it when
+        it is short itself (FIFO order is kept: batching stops at the first
+        request that does not fit)."""
+        step = [self.queue.popleft()]
+        if self._batchable(step[0]):
+            tokens = step[0].tokens
+            while self.queue and self._batchable(self.queue[0]) \
+                    and tokens + self.queue[0].tokens <= self.batch_tokens:
+                tokens += self.queue[0].tokens
+                step.append(self.queue.popleft())
+        return step
+
     async def _run(self) -> None:
         while True:
-            item = await self.queue.get()
-            self.running = item
-            queued_s = time.perf_counter() - item.enqueued_at
+            if not self.queue:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            step = self._next_step()
+            self.running = step
             try:
-                if item.job.cancelled:
-                    raise PrefillCancelled("cancelled while queued")
-                result = await item.job.run()
-                result.timings["queue_s"] = queued_s
-                if result.timings.get("compute_s", 0) > 0 and result.computed_tokens:
-                    rate = result.computed_tokens / result.timings["compute_s"]
-                    self.tokens_per_s = 0.7 * self.tokens_per_s + 0.3 * rate
-                self.completed += 1
-                if not item.done.done():
-                    item.done.set_result(result)
-            except asyncio.CancelledError:
-                if not item.done.done():
-                    item.done.set_exception(PrefillCancelled("node shutting down"))
-                raise
-            except Exception as exc:  # noqa: BLE001 - reported to the caller
-                self.failed += 1
-                if not isinstance(exc, PrefillCancelled):
-                    log.exception("prefill %s failed", item.job.spec.request_id)
-                if not item.done.done():
-                    item.done.set_exception(exc)
+                if len(step) == 1:
+                    await self._run_one(step[0])
+                else:
+                    await self._run_batch(step)
             finally:
-                self.queued_tokens -= item.tokens
-                self.running = None
+                for item in step:
+                    self.queued_tokens -= item.tokens
+                self.running = []
+
+    def _succeeded(self, item: _Queued, result: PrefillResult) -> None:
+        result.timings["queue_s"] = item.queue_s
+        if result.timings.get("compute_s", 0) > 0 and result.computed_tokens:
+            rate = result.computed_tokens / result.timings["compute_s"]
+            self.tokens_per_s = 0.7 * self.tokens_per_s + 0.3 * rate
+        self.completed += 1
+        if not item.done.done():
+            item.done.set_result(result)
+
+    def _failed(self, item: _Queued, exc: BaseException) -> None:
+        self.failed += 1
+        if not isinstance(exc, (PrefillCancelled, asyncio.CancelledError)):
+            log.error("prefill %s failed: %s: %s", item.job.spec.request_id, type(exc).__name__, exc,
+                      exc_info=exc)
+        if isinstance(exc, asyncio.CancelledError):
+            exc = PrefillCancelled("node shutting down")
+        if not item.done.done():
+            item.done.set_exception(exc)
+
+    async def _run_one(self, item: _Queued) -> None:
+        item.queue_s = time.perf_counter() - item.enqueued_at
+        try:
+            if item.job.cancelled:
+                raise PrefillCancelled("cancelled while queued")
+            self._succeeded(item, await item.job.run())
+        except asyncio.CancelledError as exc:
+            self._failed(item, exc)
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported to the caller
+            self._failed(item, exc)
+
+    async def _run_batch(self, step: list[_Queued]) -> None:
+        """Several short requests in one forward pass (PrefillJob.prepare ->
+        ModelRunner.prefill_batch -> PrefillJob.finish for each)."""
+        loop = asyncio.get_running_loop()
+        ready: list[_Queued] = []
+        try:
+            for item in step:
+                item.queue_s = time.perf_counter() - item.enqueued_at
+                try:
+                    if item.job.cancelled:
+                        raise PrefillCancelled("cancelled while queued")
+                    await item.job.prepare()
+                    ready.append(item)
+                except Exception as exc:  # noqa: BLE001 - this request only
+                    self._failed(item, exc)
+            if not ready:
+                return
+            jobs = [item.job for item in ready]
+            # A cancelled request's result is dropped at finish(); it must not
+            # abort the pass that its neighbours share.
+            hooks = [job.layer_hook(loop, abort_on_cancel=False) for job in jobs]
+            requests = [(job.spec.token_ids, job.table, job.cached) for job in jobs]
+
+            def compute():
+                return self.worker.runner.prefill_batch(
+                    requests, layer_hook=lambda i, start, end, layer: hooks[i](start, end, layer))
+
+            t_compute = time.perf_counter()
+            try:
+                all_logits = await self.worker.compute(compute)
+            except Exception as exc:  # noqa: BLE001 - the whole pass failed
+                for item in ready:
+                    self._failed(item, exc)
+                return
+            compute_s = time.perf_counter() - t_compute
+            self.batches += 1
+            self.batched_requests += len(ready)
+            tokens = sum(len(job.spec.token_ids) - job.cached for job in jobs)
+            for item, job, logits in zip(ready, jobs, all_logits):
+                try:
+                    # Each request is charged its share of the pass.
+                    share = compute_s * (len(job.spec.token_ids) - job.cached) / max(1, tokens)
+                    self._succeeded(item, await job.finish(logits, t_compute, share))
+                except Exception as exc:  # noqa: BLE001 - this request only
+                    self._failed(item, exc)
+        except asyncio.CancelledError as exc:
+            for item in step:
+                self._failed(item, exc)
+            raise
+        finally:
+            for item in step:
+                if isinstance(item.job, PrefillJob):
+                    await item.job.cleanup()
 
     def load(self) -> dict:
-        return {"queue_len": self.queue.qsize() + (1 if self.running else 0),
+        return {"queue_len": len(self.queue) + len(self.running),
+                "batches": self.batches, "batched_requests": self.batched_requests,
                 "queued_tokens": self.queued_tokens,
                 "queued_prefill_s": self.queued_tokens / self.tokens_per_s,
                 "prefill_tokens_per_s": round(self.tokens_per_s, 1),

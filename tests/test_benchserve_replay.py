@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import typer
@@ -20,8 +19,9 @@ from mooncaked.benchserve.tracegen import TraceGenConfig, generate, write_trace
 from mooncaked.benchserve.workload import (ReplayRequest, WorkloadConfig, build_workload,
                                            scaled_prompt)
 from tests.cluster_helpers import start_cluster
+from tests.paths import SYNTHETIC_TRACE
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
+TRACE = SYNTHETIC_TRACE
 BLOCK = 16  # cluster block size (TINY) == scaled tokens per trace hash id (512 / 32)
 
 

@@ -1,14 +1,14 @@
 """`mooncaked simulate` through typer, as the lead's CLI will call it."""
 import json
-from pathlib import Path
 
 import pytest
 import typer
 from typer.testing import CliRunner
 
 from mooncaked.simulate.command import register
+from tests.paths import SYNTHETIC_TRACE
 
-TRACE = Path("/work/shared/traces/synthetic_trace.jsonl")
+TRACE = SYNTHETIC_TRACE
 
 
 def app() -> typer.Typer:

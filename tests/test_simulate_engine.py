@@ -1,6 +1,5 @@
 """The simulator: exact TTFTs on a hand-computable trace, real scheduler, hit rates."""
 import json
-from pathlib import Path
 
 import pytest
 
@@ -10,8 +9,9 @@ from mooncaked.simulate.engine import Simulation
 from mooncaked.simulate.metrics import paper_tbt
 from mooncaked.simulate.store import LruShard
 from mooncaked.simulate.trace import TraceRequest, load_trace, theoretical_hit_rate
+from tests.paths import SYNTHETIC_TRACE
 
-TRACE = Path("/work/shared/traces/synthetic_trace.jsonl")
+TRACE = SYNTHETIC_TRACE
 needs_trace = pytest.mark.skipif(not TRACE.is_file(), reason=f"trace {TRACE} not present")
 
 

@@ -59,9 +59,14 @@ def stream_completion(url: str, model: str, prompt: str, max_tokens: int) -> dic
                 if ttft is None:
                     ttft = time.perf_counter() - t0
                 text.append(choice.get("text", ""))
+    try:
+        planned = json.loads(headers.get("x-mooncaked-trace", "{}"))
+    except ValueError:
+        planned = {}
     return {"ttft_s": ttft or 0.0, "e2e_s": time.perf_counter() - t0, "text": "".join(text),
             "usage": usage, "prefill_node": headers.get("x-mooncaked-prefill-node", "?"),
-            "decode_node": headers.get("x-mooncaked-decode-node", "?")}
+            "decode_node": headers.get("x-mooncaked-decode-node", "?"),
+            "pulled_from": (planned.get("transfer") if isinstance(planned, dict) else None) or "-"}
 
 
 def model_name(url: str) -> str:
@@ -77,7 +82,8 @@ def run_demo(url: str, prefix_chars: int = 6000, max_tokens: int = 16) -> list[d
     model = model_name(url)
     print(f"\nmooncaked demo against {url} (model {model}): "
           f"{len(plan)} requests, shared prefix of {len(shared)} characters\n")
-    print(f"{'request':42} {'prefill node':>13} {'cached':>7} {'prompt':>7} {'TTFT ms':>9}")
+    print(f"{'request':40} {'prefill node':>13} {'prefix from':>12} {'cached':>7} {'prompt':>7} "
+          f"{'TTFT ms':>9}")
     rows = []
     for label, prompt in plan:
         try:
@@ -86,7 +92,9 @@ def run_demo(url: str, prefix_chars: int = 6000, max_tokens: int = 16) -> list[d
             raise RuntimeError(f"demo request failed: HTTP {exc.code}: {exc.read().decode(errors='replace')}") from None
         cached = r["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
         prompt_tokens = r["usage"].get("prompt_tokens", 0)
-        print(f"{label:42} {r['prefill_node']:>13} {cached:>7} {prompt_tokens:>7} {r['ttft_s'] * 1000:>9.1f}")
+        source = r["pulled_from"] if cached and r["pulled_from"] != "-" else ("local" if cached else "-")
+        print(f"{label:40} {r['prefill_node']:>13} {source:>12} {cached:>7} {prompt_tokens:>7} "
+              f"{r['ttft_s'] * 1000:>9.1f}")
         rows.append({"label": label, **r})
     cold = rows[0]["ttft_s"]
     warm = [r["ttft_s"] for r in rows[1:-1]]

@@ -154,6 +154,17 @@ class LocalCluster:
             time.sleep(0.1)
         raise RuntimeError("not every node registered with the conductor in time")
 
+    def restart_conductor(self, timeout_s: float = 30.0) -> None:
+        """Start a new conductor on the same port after the old one died (the
+        workers re-register by themselves)."""
+        old = self.children[0]
+        if old.proc.poll() is None:
+            raise RuntimeError("the conductor is still running")
+        new = self._spawn("conductor", "conductor", [], port=old.port)
+        self.children.remove(new)
+        self.children[0] = new
+        self._wait_ready(new, time.monotonic() + timeout_s)
+
     def dead_children(self) -> list[Child]:
         return [c for c in self.children if c.proc.poll() is not None]
 

@@ -125,3 +125,25 @@ def test_reservations_outlive_a_long_prefill_queue_but_not_their_owner(tmp_path)
         wait_until(lambda: not leaked(c), 10, what="the orphan reservation to expire")
     finally:
         c.stop()
+
+
+def test_conductor_restart_nodes_rejoin_and_cache_index_is_rebuilt(tmp_path):
+    c = start_cluster(tmp_path, prefill=1, decode=1, model="tiny")
+    try:
+        prompt = tokens(64, seed=9)
+        assert complete(c.url, prompt, max_tokens=2, model="tiny")[0] == 200
+        old = c.children[0]
+        old.proc.kill()  # kill -9: nodes get no goodbye
+        old.proc.wait()
+        c.restart_conductor()
+        wait_until(lambda: len(peers_alive(c)) == 2, 20, what="nodes to re-register")
+        # The new conductor rebuilds its cache index from the nodes' snapshots,
+        # so the repeated prompt is scheduled with its cached prefix again.
+        def cached() -> int:
+            status, body = complete(c.url, prompt, max_tokens=2, model="tiny")
+            assert status == 200, body
+            return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert wait_until(lambda: cached() == 48, 10, interval=0.3, what="index rebuilt")
+        assert not leaked(c)
+    finally:
+        c.stop()

@@ -246,6 +246,12 @@ class Dispatcher:
             trace.completion_tokens = len(trace.token_times)
             self.metrics.finished(trace)
             self._remember(trace)
+            log.info("%s %s: prefill %s (cached %d of %d, %s), decode %s, TTFT %.3fs "
+                     "(predicted %.3fs), %d tokens in %.3fs", request_id, trace.status,
+                     trace.prefill_node, trace.cached_tokens, trace.prompt_tokens,
+                     f"pulled {trace.fetched_tokens} from {trace.transfer_planned_from}"
+                     if trace.fetched_tokens else "local", trace.decode_node, trace.ttft_s,
+                     trace.predicted_ttft_s, trace.completion_tokens, trace.e2e_s)
 
     def _first_finish(self, token: int, sampling: SamplingParams) -> str | None:
         if token in sampling.stop_token_ids or (token in self.eos_ids and not sampling.ignore_eos):

@@ -117,3 +117,20 @@ def test_concurrent_short_prompts_are_prefilled_in_batches(cluster):
         if status_batches() > before:
             break
     assert status_batches() > before
+
+
+def test_colocated_node_matches_the_reference_too(tmp_path):
+    colo = start_cluster(tmp_path, colocated=1)
+    try:
+        prompt = tokens(50, seed=11)
+        expected = reference_greedy("tiny", prompt, 8)
+        for attempt in range(2):  # then with its own prefix cache
+            status, body = complete(colo.url, prompt, max_tokens=8)
+            assert status == 200, body
+            trace = trace_of(colo.url, body)
+            assert trace["prefill_node"] == trace["decode_node"] == "colocated-0"
+            assert trace["output_token_ids"] == expected
+            assert trace["cached_tokens"] == (0 if attempt == 0 else 48)
+        assert leaked(colo) == {}
+    finally:
+        colo.stop()

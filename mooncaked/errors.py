@@ -83,3 +83,17 @@ async def read_json(request: web.Request, max_bytes: int) -> Any:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise ApiError(400, f"malformed JSON body: {exc}") from None
+
+
+def internal_auth_middleware(token: str):
+    """Guard every ``/internal/`` route of a node with the cluster's bearer token
+    (node <-> node and node <-> conductor calls); admin and API routes are not
+    affected.  No token configured: no check (loopback-only deployments)."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        if token and request.path.startswith("/internal/"):
+            require_bearer(request, token, "internal cluster endpoint")
+        return await handler(request)
+
+    return check

@@ -23,7 +23,7 @@ from aiohttp import web
 from mooncaked.admin import add_admin_routes
 from mooncaked.config import NodeConfig
 from mooncaked.context import CTX, NodeContext
-from mooncaked.errors import error_middleware
+from mooncaked.errors import error_middleware, internal_auth_middleware
 from mooncaked.sdnotify import notify
 
 log = logging.getLogger("mooncaked.runtime")
@@ -51,7 +51,9 @@ def build_app(ctx: NodeContext) -> web.Application:
     from roles import setup_role  # roles import heavy deps (torch) only when needed
 
     max_body = ctx.config.conductor.max_request_bytes
-    app = web.Application(middlewares=[error_middleware], client_max_size=max_body)
+    app = web.Application(middlewares=[error_middleware,
+                                       internal_auth_middleware(ctx.config.node.cluster_token)],
+                          client_max_size=max_body)
     app[CTX] = ctx
     add_admin_routes(app)
     setup_role(app, ctx)

@@ -86,7 +86,12 @@ class WorkerNode:
             self.act_region_id = self.engine.register_local_memory(self.act_memory, "cpu:0").id
             self.act_free = list(range(pf.cpp_slots))
         self.engine.set_resolver(self._resolve_segment)
-        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        token = cfg.node.cluster_token
+        # Every call this node makes to a peer or the conductor is internal:
+        # carry the cluster token when one is configured.
+        self.http = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+            headers={"Authorization": f"Bearer {token}"} if token else None)
         self.ctx.transfer_descriptor = self.engine.segment_descriptor()
         self.ctx.capacity.update({
             "pages": self.shard.num_pages, "block_size": self.layout.block_size,
@@ -110,9 +115,8 @@ class WorkerNode:
         """Peers' transfer segments come from the conductor's registry."""
         assert self.http is not None
         node = self.config.node
-        headers = {"Authorization": f"Bearer {node.cluster_token}"} if node.cluster_token else {}
         async with self.http.get(f"{node.conductor_url.rstrip('/')}/internal/segments/{name}",
-                                 headers=headers, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                                 timeout=aiohttp.ClientTimeout(total=5)) as resp:
             if resp.status != 200:
                 raise LookupError(f"segment {name!r} unknown to the conductor (HTTP {resp.status})")
             return await resp.json()

@@ -152,3 +152,21 @@ def test_conductor_metrics_cover_latency_cache_and_per_node_load(mooncake):
         assert f'mooncaked_prefill_queue_seconds{{node="{node}"}}' in values
     assert values['mooncaked_decode_free_pages{node="decode-0"}'] > 0
     assert "mooncaked_ttft_prediction_error_seconds" in values
+
+
+def test_cluster_token_guards_every_internal_endpoint(tmp_path):
+    secured = start_cluster(tmp_path, prefill=2, decode=1, extra=["node.cluster_token=s3cret"])
+    try:
+        shared = tokens(48, seed=5)
+        for suffix in (1, 2):  # the second may pull from the first's node: peers authenticate too
+            status, body = complete(secured.url, shared + tokens(10, seed=suffix), max_tokens=3)
+            assert status == 200, body
+        for child in secured.children:
+            path = "/internal/nodes/register" if child.role == "conductor" else \
+                "/internal/prefill" if child.role == "prefill" else "/internal/decode/reserve"
+            status, body = post_json(child.url + path, {})
+            assert status == 401, (child.name, status, body)
+            status, _ = post_json(child.url + path, {}, {"Authorization": "Bearer s3cret"})
+            assert status in (400, 404), child.name  # authenticated: now it is the body that is wrong
+    finally:
+        secured.stop()

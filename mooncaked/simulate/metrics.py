@@ -87,6 +87,13 @@ def build_result(sim: Simulation, wall_s: float) -> SimResult:
         "prefill_compute_saved": 1 - used_s / full_s if full_s else 0.0,
         "effective_capacity": effective,
         "estimator_error": sim.scheduler.estimator_error(),
+        # Decode-side load, to tell whether decode ever binds (P/D ratio):
+        # the largest batch any decode node ran, and the mean share of the
+        # run its nodes spent stepping (a node steps whenever it holds work).
+        "decode_max_batch": max((d.max_batch for d in sim.decodes.values()), default=0),
+        "decode_busy_share": (sum(d.busy_s for d in sim.decodes.values())
+                              / (len(sim.decodes) * sim_end)) if sim.decodes and sim_end > 0
+        else 0.0,
         "simulated_seconds": sim_end,
         "wall_seconds": wall_s,
         "simulated_requests_per_wall_s": n / wall_s if wall_s > 0 else 0.0,

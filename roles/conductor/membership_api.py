@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from mooncaked.context import CTX
-from mooncaked.errors import ApiError, json_response, read_json, require_bearer
+from mooncaked.errors import ApiError, json_response, read_json
 from mooncaked.membership import NodeRegistry
 from mooncaked.tasks import cancel_and_wait
 
@@ -24,14 +24,8 @@ log = logging.getLogger("mooncaked.conductor.membership")
 REGISTRY = web.AppKey("registry", NodeRegistry)
 
 
-def _check_cluster_token(request: web.Request) -> None:
-    token = request.app[CTX].config.node.cluster_token
-    if token:
-        require_bearer(request, token, "internal cluster endpoint")
-
-
 async def _body(request: web.Request) -> dict[str, Any]:
-    _check_cluster_token(request)
+    # The cluster token (if any) was checked by internal_auth_middleware.
     data = await read_json(request, 1 << 20)
     if not isinstance(data, dict):
         raise ApiError(400, "expected a JSON object")
@@ -66,7 +60,6 @@ async def deregister(request: web.Request) -> web.Response:
 
 
 async def segment(request: web.Request) -> web.Response:
-    _check_cluster_token(request)
     name = request.match_info["name"]
     for record in request.app[REGISTRY].alive():
         if record.transfer.get("name") == name or record.node_id == name:

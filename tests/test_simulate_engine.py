@@ -152,3 +152,29 @@ def test_bad_config():
         Simulation(SimConfig(model_profile="no-such-profile"), [])
     with pytest.raises(ValueError, match="trace"):
         Simulation(SimConfig(trace="/no/such/file"))
+
+
+def test_shared_prompt_replicates_to_every_serving_node_and_decode_stats(tiny_profile):
+    """A key every request uses ends up on every prefill node that served one
+    (Fig. 11's mechanism: a node keeps what it prefilled or pulled); the
+    replica count of a key is bounded by the nodes that served its requests."""
+    from mooncaked.simulate.figures import _replica_bound, _with_system_prompt
+
+    # Eight requests with distinct bodies, arriving together: the cost model
+    # spreads them over the 4 prefill nodes.
+    base = [T(i, 0.0, [100 + 10 * i, 101 + 10 * i], 1024, out=3) for i in range(8)]
+    trace = _with_system_prompt(base, 2)
+    assert all(r.hash_ids[:2] == trace[0].hash_ids[:2] for r in trace)
+    assert trace[0].input_length == 1024 + 2 * 512
+    sim = Simulation(SimConfig(prefill=4, decode=1, policy="mooncake",
+                               model_profile=tiny_profile, hot_keys=2), trace)
+    res = sim.run()
+    served = {row["prefill"] for row in res.requests}
+    assert len(served) > 1
+    for key in trace[0].hash_ids[:2]:
+        assert set(sim.scheduler.index.holders(key)) == served
+    bound = _replica_bound(res, trace, lambda k: len(sim.scheduler.index.holders(k)))
+    assert bound["by_uses"]["8"]["serving_nodes"] == len(served)
+    assert bound["by_uses"]["8"]["holders_at_end"] == len(served)
+    assert res.summary["decode_max_batch"] >= 1
+    assert 0 < res.summary["decode_busy_share"] <= 1

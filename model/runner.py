@@ -44,6 +44,14 @@ def kv_pages_view(buffer, layout: PageLayout) -> torch.Tensor:
 
 
 def configure_torch(runtime: RuntimeConfig) -> None:
+    """Per-thread torch settings: call it on the thread that runs the model.
+
+    Denormal floats are flushed to zero: dequantized checkpoints (GGUF) and
+    long activations produce them, and x86 CPUs handle them in microcode —
+    SmolLM2-135M prefilled 200 tokens in 7.5 s with them and 0.3 s without.
+    The flag lives in the calling thread's FP control register.
+    """
+    torch.set_flush_denormal(True)
     if runtime.torch_threads:
         torch.set_num_threads(runtime.torch_threads)
 

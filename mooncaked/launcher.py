@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -83,6 +84,10 @@ class LocalCluster:
     def url(self) -> str:
         return self.conductor.url
 
+    def threads_per_worker(self) -> int:
+        workers = max(1, self.prefill + self.decode + self.cpp_group)
+        return max(1, (os.cpu_count() or 1) // workers)
+
     def _spawn(self, name: str, role: str, extra: list[str], port: int = 0) -> Child:
         assert self.log_dir is not None
         port = port or free_port()
@@ -92,12 +97,18 @@ class LocalCluster:
             cmd += ["--model", self.model]
         if self.config:
             cmd += ["--config", self.config]
+        # The nodes share this machine's cores: by default each worker gets an
+        # equal share of torch threads (an explicit --set comes later and wins).
+        cmd += ["--set", f"model.torch_threads={self.threads_per_worker()}"]
         for item in self.overrides:
             cmd += ["--set", item]
         cmd += extra
         log_path = self.log_dir / f"{name}.log"
+        # Oversubscribed OpenMP threads that spin while waiting steal the cores
+        # the other nodes compute on: make idle ones sleep instead.
+        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
                                     preexec_fn=_die_with_parent)
         child = Child(name, role, port, log_path, proc)

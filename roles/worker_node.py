@@ -28,7 +28,7 @@ from aiohttp import web
 from kvstore.metrics import register_store_metrics
 from kvstore.shard import StoreShard
 from model.config import load_model_config, page_layout
-from model.runner import ModelRunner, configure_torch, kv_pages_view
+from model.runner import DecodeSeq, ModelRunner, configure_torch, kv_pages_view
 from model.weights import load_weights
 from rdma.engine import TransferEngine
 from roles.settings import stage_layers
@@ -41,7 +41,10 @@ class WorkerNode:
     def __init__(self, ctx) -> None:  # ctx: mooncaked.context.NodeContext
         self.ctx = ctx
         self.config = ctx.config
-        self.compute_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        # One compute thread, configured for torch (threads, denormals) once.
+        self.compute_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute",
+                                               initializer=configure_torch,
+                                               initargs=(ctx.config.model,))
         self.http: aiohttp.ClientSession | None = None
         self.shard: StoreShard | None = None
         self.runner: ModelRunner | None = None
@@ -103,6 +106,11 @@ class WorkerNode:
             self.ctx.capacity.update({"cpp_group": pf.cpp_group, "cpp_stage": pf.cpp_stage,
                                       "cpp_stages": pf.cpp_stages,
                                       "kv_bytes_per_token": self.full_layout.kv_bytes_per_token})
+        # The first forward pass pays one-off costs (kernel selection, page
+        # faults): take them now rather than in the first request's TTFT.
+        t_warm = time.perf_counter()
+        await self.compute(self._warm_up)
+        log.info("model warmed up in %.2fs", time.perf_counter() - t_warm)
         self.ctx.status_providers["store"] = lambda: self.shard.stats().to_dict()
         self.ctx.status_providers["transfer"] = self.engine.stats
         log.info("worker ready in %.2fs: model %s (%d layers), %d pages of %d tokens (%.1f MiB), "
@@ -110,6 +118,18 @@ class WorkerNode:
                  self.shard.num_pages, self.layout.block_size,
                  self.shard.num_pages * self.layout.page_bytes / 2**20,
                  self.engine.segment_descriptor().get("transport"))
+
+    def _warm_up(self) -> None:
+        """A short prefill and decode step through one scratch page."""
+        if self.first_layer != 0 or self.end_layer != self.model_config.num_layers:
+            return  # a pipeline stage: its first chunk warms it
+        page = self.shard.allocate(1)
+        try:
+            n = min(8, self.layout.block_size - 1)
+            self.runner.prefill([0] * n, page, 0)
+            self.runner.decode_step([DecodeSeq(0, n, page)])
+        finally:
+            self.shard.free(page)
 
     async def _resolve_segment(self, name: str) -> dict:
         """Peers' transfer segments come from the conductor's registry."""

@@ -183,13 +183,12 @@ class ModelRunner:
             offset += n
         cos, sin = self.rope.cos_sin(torch.cat(positions), w.dtype)
         x = F.embedding(torch.tensor(tokens, dtype=torch.long, device=self.device), w.embed)
-        hook = None
-        if layer_hook is not None:
-            def hook(i: int, layer: int) -> None:
-                s = seqs[i]
-                layer_hook(i, s.start, s.start + s.n, layer)
+        def hook(i: int, layer: int) -> None:
+            s = seqs[i]
+            layer_hook(i, s.start, s.start + s.n, layer)
         for i, lw in enumerate(w.layers):
-            x = prefill_layer_varlen(x, lw, c, w.first_layer + i, self.kv_pages, seqs, cos, sin, hook)
+            x = prefill_layer_varlen(x, lw, c, w.first_layer + i, self.kv_pages, seqs, cos, sin,
+                                     hook if layer_hook is not None else None)
         last_rows = torch.tensor([s.offset + s.n - 1 for s in seqs], device=self.device)
         logits = self._logits(x[last_rows])
         return list(logits)

@@ -147,3 +147,32 @@ def test_conductor_restart_nodes_rejoin_and_cache_index_is_rebuilt(tmp_path):
         assert not leaked(c)
     finally:
         c.stop()
+
+
+def test_failed_prefix_fetch_falls_back_to_recompute(tmp_path):
+    from tests.cluster_helpers import ADMIN, reference_greedy, trace_of
+    from tests.nodes import post_json
+
+    c = start_cluster(tmp_path, prefill=2, decode=1, model="tiny",
+                      extra=["node.heartbeat_timeout_s=5", "node.heartbeat_interval_s=0.2"])
+    try:
+        shared = tokens(96, seed=31)
+        status, body = complete(c.url, shared + tokens(8, seed=1), max_tokens=2, model="tiny")
+        assert status == 200
+        holder_name = trace_of(c.url, body)["prefill_node"]
+        holder = next(ch for ch in c.children if ch.name == holder_name)
+        post_json(holder.url + "/admin/drain", {}, ADMIN)
+        wait_until(lambda: get_json(c.url + "/admin/status")[1]["scheduler"]["prefill"]
+                   [holder_name]["accepting"] is False, 5, what="the drain to be seen")
+        holder.proc.kill()  # the conductor still believes it holds the prefix
+        holder.proc.wait()
+        prompt = shared + tokens(8, seed=2)
+        status, body = complete(c.url, prompt, max_tokens=4, model="tiny")
+        assert status == 200, body
+        trace = trace_of(c.url, body)
+        assert trace["transfer_planned_from"] == holder_name
+        assert trace["fetch_failed"] and trace["fetched_tokens"] == 0
+        assert trace["output_token_ids"] == reference_greedy("tiny", prompt, 4)
+        wait_until(lambda: not leaked(c), 10, what="nothing pinned after the failed fetch")
+    finally:
+        c.stop()

@@ -115,6 +115,7 @@ class PrefillJob:
         self.pinned_keys: list[int] = []      # released at the end (tail first)
         self.private_pages: list[int] = []    # freed at the end
         self.sends: list[asyncio.Task] = []
+        self.fetch_pages: list[int] = []      # targets of a peer READ in flight
         self.stream_log: list[tuple[int, int, float]] = []  # (chunk_end, layer, sent_at)
 
     # -- step 1 -------------------------------------------------------------
@@ -137,6 +138,7 @@ class PrefillJob:
                 result.fetch_failed = f"{type(exc).__name__}: {exc}"
                 log.warning("%s: prefix fetch from %s failed, recomputing: %s",
                             spec.request_id, spec.fetch_source_url, result.fetch_failed)
+                self._quarantine_fetch_pages()
             result.timings["fetch_s"] = time.perf_counter() - t0
         return pages
 
@@ -156,6 +158,7 @@ class PrefillJob:
                 raise PrefillFailed("peer no longer holds the prefix")
             local = shard.allocate(len(remote_pages))
             self.private_pages += local
+            self.fetch_pages = list(local)
             pb = self.layout.page_bytes
             await engine.transfer([
                 TransferRequest(TransferOp.READ, self.worker.region_id, self.layout.page_offset(lp), pb,
@@ -175,6 +178,18 @@ class PrefillJob:
                 self.private_pages.remove(page)
             pages.append(published.page_id)
         return pages
+
+    def _quarantine_fetch_pages(self) -> None:
+        """A READ that failed or timed out may still land a few late bytes in
+        the pages it targeted: keep them out of circulation for a while
+        instead of handing them to the next allocation (ours included)."""
+        pages = [p for p in self.fetch_pages if p in self.private_pages]
+        if not pages:
+            return
+        for p in pages:
+            self.private_pages.remove(p)
+        delay = 2 * self.worker.config.transfer.stall_timeout_s
+        asyncio.get_running_loop().call_later(delay, self.shard.free, pages)
 
     # -- step 3: KV streaming -------------------------------------------------
     def _send(self, block_table: list[int], first_block: int, end_block: int,

@@ -107,3 +107,22 @@ def test_transfer_and_decode_estimators():
     # weights 141 GB over 16 TB/s ~ 8.8 ms per step
     assert d.seconds(1, 0) == pytest.approx(70.6e9 * 2 / 16e12)
     assert d.seconds(0, 0) == 0.0
+
+
+def test_decode_estimator_follows_measured_step_times():
+    from roles.scheduling.estimators import (DecodeEstimator, PolynomialPrefillEstimator,
+                                             TransferEstimator)
+    from roles.scheduling.scheduler import Scheduler, SchedulerConfig
+    from roles.scheduling.state import NodeReport
+
+    est = DecodeEstimator(0.01, 0.001, 0.0)
+    sched = Scheduler(SchedulerConfig(), PolynomialPrefillEstimator({"n": 1e-4}),
+                      TransferEstimator(1e9), est)
+    sched.add_decode_node("d0", page_budget=100, page_tokens=16)
+    before = est.seconds(4, 0)
+    for i in range(60):  # the node keeps measuring steps 3x slower than modelled
+        sched.on_node_report("d0", NodeReport(at=float(i), batch_size=4, context_tokens=0,
+                                              recent_tbt_s=3 * before), float(i))
+    assert est.seconds(4, 0) == pytest.approx(3 * before, rel=0.01)
+    est.observe(0, 0, 1.0)  # an idle node's report teaches nothing
+    assert est.seconds(4, 0) == pytest.approx(3 * before, rel=0.01)

@@ -182,10 +182,22 @@ class DecodeEstimator:
     token's KV, both over HBM bandwidth. Refit online like the prefill one.
     """
 
-    def __init__(self, c0: float, c_batch: float, c_ctx: float) -> None:
-        if min(c0, c_batch, c_ctx) < 0:
-            raise ValueError("decode coefficients must be >= 0")
+    def __init__(self, c0: float, c_batch: float, c_ctx: float, alpha: float = 0.2) -> None:
+        if min(c0, c_batch, c_ctx) < 0 or not 0 < alpha <= 1:
+            raise ValueError("decode coefficients must be >= 0 and alpha in (0, 1]")
         self.c0, self.c_batch, self.c_ctx = c0, c_batch, c_ctx
+        self.alpha = alpha
+        # Measured / modelled step time (EWMA over decode nodes' reports): the
+        # shape of the model stays, its level follows the real hardware.
+        self.scale = 1.0
+
+    def observe(self, batch: int, context_tokens: int, seconds: float) -> None:
+        """Feed back a measured step time (a decode node's recent TBT)."""
+        modelled = self._modelled(batch, context_tokens)
+        if batch <= 0 or seconds <= 0 or modelled <= 0:
+            return
+        ratio = min(100.0, max(0.01, seconds / modelled))
+        self.scale = (1 - self.alpha) * self.scale + self.alpha * ratio
 
     @classmethod
     def from_hardware(cls, shape: ModelShape, hbm_Bps: float, efficiency: float = 0.7,
@@ -194,10 +206,13 @@ class DecodeEstimator:
         return cls(shape.params * shape.bytes_per_elem / rate, per_seq_s,
                    shape.kv_bytes_per_token / rate)
 
+    def _modelled(self, batch: int, context_tokens: int) -> float:
+        return self.c0 + self.c_batch * batch + self.c_ctx * context_tokens
+
     def seconds(self, batch: int, context_tokens: int) -> float:
         if batch <= 0:
             return 0.0
-        return self.c0 + self.c_batch * batch + self.c_ctx * context_tokens
+        return self.scale * self._modelled(batch, context_tokens)
 
 
 class PipelinePrefillEstimator(PrefillEstimator):

@@ -233,6 +233,10 @@ class Scheduler:
                 d.free_pages = report.free_pages
             if report.recent_tbt_s is not None:
                 d.recent_tbt_s = report.recent_tbt_s
+                # Calibrate the TBT model on what the node measures.
+                if report.batch_size:
+                    self.decode_est.observe(report.batch_size, report.context_tokens or 0,
+                                            report.recent_tbt_s)
 
     def estimator_error(self) -> dict[str, float]:
         """Mean and mean-absolute (predicted - actual) TTFT, seconds."""

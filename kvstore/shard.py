@@ -198,11 +198,7 @@ class StoreShard:
             raise ValueError(f"size must be in 1..{self.page_bytes}; got {size}")
         existing = self._blocks.get(key)
         if existing is not None:
-            self._guard(existing, tokens)
-            if pin:
-                self._pin(existing)
-            else:
-                self._touch(existing)
+            self._reuse(existing, tokens, pin)
             if free_duplicate:
                 self.free([page_id])
             return PublishResult(existing.page, False)
@@ -210,6 +206,15 @@ class StoreShard:
         self._private.remove(page_id)
         self._insert(key, page_id, nbytes, tokens, pin)
         return PublishResult(page_id, True)
+
+    def _reuse(self, existing: "_Block", tokens, pin: bool) -> None:
+        """A key already cached is stored again: keep that copy (same key, same
+        prefix, same KV) after the collision guard; pin it or mark it used."""
+        self._guard(existing, tokens)
+        if pin:
+            self._pin(existing)
+        else:
+            self._touch(existing)
 
     def page_view(self, page_id: int) -> memoryview:
         """Writable view of a whole page (for private pages being filled)."""
@@ -238,11 +243,7 @@ class StoreShard:
         tokens = self._block_tokens(token_ids)
         existing = self._blocks.get(key)
         if existing is not None:
-            self._guard(existing, tokens)
-            if pin:
-                self._pin(existing)
-            else:
-                self._touch(existing)
+            self._reuse(existing, tokens, pin)
             return False
         self._guard_ssd_copy(key, tokens)
         (page,) = self._take_pages(1)  # may demote blocks and drop the SSD copy itself

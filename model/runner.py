@@ -43,6 +43,18 @@ def kv_pages_view(buffer, layout: PageLayout) -> torch.Tensor:
                      layout.num_kv_heads, layout.head_dim)
 
 
+def chunk_bounds(cached: int, n: int, chunk: int) -> list[tuple[int, int]]:
+    """Chunks of tokens [cached, n) ending on multiples of ``chunk`` (absolute
+    positions), so chunks are page-aligned when ``chunk`` is a multiple of
+    the block size."""
+    out, start = [], cached
+    while start < n:
+        end = min(n, (start // chunk + 1) * chunk)
+        out.append((start, end))
+        start = end
+    return out
+
+
 def configure_torch(runtime: RuntimeConfig) -> None:
     """Per-thread torch settings: call it on the thread that runs the model.
 
@@ -136,15 +148,11 @@ class ModelRunner:
         self._check_tokens(token_ids)
         table = self._block_table(block_table, n)
         tokens = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        step = chunk_size or n
-        start = num_cached_tokens
         x = None
         self._need_all_layers("prefill")
-        while start < n:
-            end = min(n, (start // step + 1) * step)
+        for start, end in chunk_bounds(num_cached_tokens, n, chunk_size or n):
             x = self._run_layers(F.embedding(tokens[start:end], self.weights.embed), table,
                                  start, layer_hook)
-            start = end
         return self._logits(x[-1])
 
     @torch.inference_mode()

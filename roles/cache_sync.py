@@ -25,12 +25,12 @@ log = logging.getLogger("mooncaked.cache_sync")
 
 class CacheEventPusher:
     def __init__(self, shard: StoreShard, http: aiohttp.ClientSession, conductor_url: str,
-                 node_id: str, token: str = "", interval_s: float = 0.1) -> None:
+                 node_id: str, interval_s: float = 0.1) -> None:
+        # ``http`` carries the cluster token (the worker's session), if any.
         self.shard = shard
         self.http = http
         self.base = conductor_url.rstrip("/")
         self.node_id = node_id
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.interval_s = interval_s
         self._need_snapshot = True
         self._kick = asyncio.Event()
@@ -49,7 +49,7 @@ class CacheEventPusher:
             await self._push()
 
     async def _post(self, path: str, body: dict) -> dict:
-        async with self.http.post(self.base + path, json=body, headers=self.headers,
+        async with self.http.post(self.base + path, json=body,
                                   timeout=aiohttp.ClientTimeout(total=5)) as resp:
             data = await resp.json(content_type=None)
             if resp.status != 200:

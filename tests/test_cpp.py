@@ -10,10 +10,9 @@ import torch
 
 from kvstore.layout import PageLayout
 from model.config import RuntimeConfig, page_layout
-from model.runner import ModelRunner, kv_pages_view
+from model.runner import ModelRunner, chunk_bounds, kv_pages_view
 from model.weights import load_weights
 from mooncaked.launcher import LocalCluster
-from roles.prefill.cpp import chunk_bounds
 from roles.scheduling.estimators import PipelinePrefillEstimator, PolynomialPrefillEstimator
 from roles.settings import stage_layers
 from tests.cluster_helpers import TINY, complete, leaked, reference_greedy, trace_of

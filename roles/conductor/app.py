@@ -129,12 +129,15 @@ def setup_conductor(app: web.Application, ctx) -> None:
     model_name = cfg.conductor.served_model_name or cfg.model.model
 
     async def dispatcher_ctx(app: web.Application):
+        token = cfg.node.cluster_token
+        # Every call the conductor makes to a node is internal: carry the token.
         http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
-                                     connector=aiohttp.TCPConnector(limit=0))
+                                     connector=aiohttp.TCPConnector(limit=0),
+                                     headers={"Authorization": f"Bearer {token}"} if token else None)
         # Decode nodes expire untouched reservations after decode.reservation_timeout_s
         # (the cluster shares one config): touch them three times per period.
         dispatcher = Dispatcher(cluster, http, metrics, cfg.store.hash_seed,
-                                tokenizer.eos_token_ids, cfg.node.cluster_token,
+                                tokenizer.eos_token_ids,
                                 reservation_keepalive_s=cfg.decode.reservation_timeout_s / 3)
         app[DISPATCHER] = dispatcher
         app[OPENAI_BACKEND] = ClusterBackend(dispatcher, tokenizer, model_name,

@@ -78,14 +78,13 @@ class RequestTrace:
 
 class Dispatcher:
     def __init__(self, cluster: ClusterView, http: aiohttp.ClientSession, metrics: ConductorMetrics,
-                 hash_seed: int, eos_ids: list[int], cluster_token: str = "",
+                 hash_seed: int, eos_ids: list[int],
                  keep_traces: int = 256, reservation_keepalive_s: float = 20.0) -> None:
         self.cluster = cluster
         self.http = http
         self.metrics = metrics
         self.hash_seed = hash_seed
         self.eos_ids = frozenset(eos_ids)
-        self.headers = {"Authorization": f"Bearer {cluster_token}"} if cluster_token else {}
         self.traces: collections.OrderedDict[str, RequestTrace] = collections.OrderedDict()
         self.keep_traces = keep_traces
         self.reservation_keepalive_s = reservation_keepalive_s
@@ -97,9 +96,9 @@ class Dispatcher:
 
     async def call_node(self, url: str, body: dict, what: str, timeout: float | None = None) -> dict:
         try:
-            async with self.http.post(url, data=orjson.dumps(body), headers={
-                    **self.headers, "Content-Type": "application/json"},
-                    timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            async with self.http.post(url, data=orjson.dumps(body),
+                                      headers={"Content-Type": "application/json"},
+                                      timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 data = await resp.json(content_type=None)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             raise ApiError(502, f"{what} failed: {type(exc).__name__}: {exc}") from None
@@ -116,7 +115,7 @@ class Dispatcher:
             await asyncio.sleep(self.reservation_keepalive_s)
             try:
                 async with self.http.post(decode_url + "/internal/decode/touch",
-                                          json={"request_id": request_id}, headers=self.headers,
+                                          json={"request_id": request_id},
                                           timeout=aiohttp.ClientTimeout(total=5)) as resp:
                     await resp.read()
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
@@ -124,7 +123,7 @@ class Dispatcher:
 
     async def _cancel(self, url: str, request_id: str) -> None:
         try:
-            async with self.http.post(url, json={"request_id": request_id}, headers=self.headers,
+            async with self.http.post(url, json={"request_id": request_id},
                                       timeout=aiohttp.ClientTimeout(total=3)) as resp:
                 await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
@@ -288,7 +287,6 @@ class Dispatcher:
         t_decode = time.perf_counter()
         try:
             async with self.http.post(url + "/internal/decode/generate", json=body,
-                                      headers=self.headers,
                                       timeout=aiohttp.ClientTimeout(total=None, sock_read=60)) as resp:
                 if resp.status != 200:
                     data = await resp.json(content_type=None)

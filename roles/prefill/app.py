@@ -90,8 +90,7 @@ def add_prefill_service(app: web.Application, ctx, worker) -> None:
         if worker.cpp:
             stages = CppStages(worker, cfg.model.prefill_chunk, cfg.prefill.cpp_chunk_timeout_s)
             app[CPP_STAGES] = stages
-        pusher = CacheEventPusher(worker.shard, worker.http, cfg.node.conductor_url, ctx.node_id,
-                                  cfg.node.cluster_token)
+        pusher = CacheEventPusher(worker.shard, worker.http, cfg.node.conductor_url, ctx.node_id)
         app[PREFILL] = svc
         app[PUSHER] = pusher
         svc.start()

@@ -39,6 +39,7 @@ import aiohttp
 import torch
 from aiohttp import web
 
+from model.runner import chunk_bounds
 from model.sampling import sample
 from mooncaked.errors import ApiError, json_response, read_json
 from rdma.types import TransferOp, TransferRequest
@@ -57,16 +58,6 @@ class Hop:
 
     def to_json(self) -> dict[str, Any]:
         return {"url": self.url, "segment": self.segment, "region": self.region, "offset": self.offset}
-
-
-def chunk_bounds(cached: int, n: int, chunk: int) -> list[tuple[int, int]]:
-    """Chunks of [cached, n) ending on multiples of ``chunk`` (page-aligned chunks)."""
-    out, start = [], cached
-    while start < n:
-        end = min(n, (start // chunk + 1) * chunk)
-        out.append((start, end))
-        start = end
-    return out
 
 
 class StageRun:
@@ -154,14 +145,9 @@ class StageRun:
         cached = self.prefix_blocks * bs
         new_pages = shard.allocate(-(-n // bs) - self.prefix_blocks)
         job.private_pages += new_pages
-        table = self.prefix_pages + new_pages
+        table = job.table = self.prefix_pages + new_pages
         job._send(table, 0, self.prefix_blocks, None)
-
-        def layer_hook(start: int, end: int, layer: int) -> None:
-            if job.cancelled:
-                raise PrefillCancelled()
-            loop.call_soon_threadsafe(job._send, table, start // bs, -(-end // bs), (layer, layer + 1))
-            job.stream_log.append((end, layer, time.perf_counter()))
+        layer_hook = job.layer_hook(loop)
 
         def stage(inputs: Any, start: int) -> torch.Tensor:
             return worker.runner.prefill_stage(inputs, table, start, layer_hook=layer_hook)

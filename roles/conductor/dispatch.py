@@ -291,16 +291,12 @@ class Dispatcher:
                 if resp.status != 200:
                     data = await resp.json(content_type=None)
                     raise ApiError(502, f"decode failed (HTTP {resp.status}): {data}")
-                skipped_first = False
                 async for line in resp.content:
                     if not line.strip():
                         continue
                     item = orjson.loads(line)
                     if "error" in item:
                         raise ApiError(502, f"decode node ended the stream: {item['error']}")
-                    if not skipped_first:  # the decode node echoes the first token
-                        skipped_first = True
-                        continue
                     trace.token_times.append(time.perf_counter() - t0)
                     trace.output_token_ids.append(int(item["token"]))
                     yield Token(int(item["token"]), item.get("logprob"), trace.cached_tokens,

@@ -117,13 +117,17 @@ class DecodeBatcher:
         seq.stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos
                                                             else self.eos_ids)
         seq.out = asyncio.Queue()
-        self._emit(seq, first_token, 0.0)
-        if seq.finished is None:
+        # The first token came from the prefill node and the caller has it: it
+        # is the decode input, streamed back only if it already ends the request.
+        self._emit(seq, first_token, 0.0, stream=False)
+        if seq.finished is not None:
+            seq.out.put_nowait((first_token, 0.0, seq.finished))
+        else:
             self.waiting.append(seq)
             self._wake.set()
         return seq.out
 
-    def _emit(self, seq: Sequence, token: int, logprob: float) -> None:
+    def _emit(self, seq: Sequence, token: int, logprob: float, stream: bool = True) -> None:
         seq.tokens.append(token)
         self.tokens_out += 1
         if token in seq.stop_ids:
@@ -131,7 +135,8 @@ class DecodeBatcher:
         elif len(seq.tokens) >= seq.sampling.max_tokens:
             seq.finished = "length"
         assert seq.out is not None
-        seq.out.put_nowait((token, logprob, seq.finished))
+        if stream:
+            seq.out.put_nowait((token, logprob, seq.finished))
 
     def run(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="decode-batch")

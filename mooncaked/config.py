@@ -56,8 +56,7 @@ class NodeConfig:
         return out
 
 
-SECTIONS: dict[str, type] = {f.name: f.default_factory().__class__  # type: ignore[misc]
-                             for f in dataclasses.fields(NodeConfig)}
+SECTIONS: dict[str, type] = typing.get_type_hints(NodeConfig)
 
 
 def _field_types(cls: type) -> dict[str, Any]:

@@ -83,7 +83,8 @@ class WorkerNode:
         if self.cpp:
             # Hidden states cross stage boundaries through this region: two
             # slots (in, out) of one chunk each per request in flight.
-            slot = cfg.model.prefill_chunk * weights.config.hidden_size * (torch.finfo(weights.dtype).bits // 8)
+            elem = torch.finfo(weights.dtype).bits // 8
+            slot = cfg.model.prefill_chunk * weights.config.hidden_size * elem
             self.act_slot_bytes = slot
             self.act_memory = mmap.mmap(-1, 2 * pf.cpp_slots * slot)
             self.act_region_id = self.engine.register_local_memory(self.act_memory, "cpu:0").id
@@ -98,14 +99,15 @@ class WorkerNode:
         self.ctx.transfer_descriptor = self.engine.segment_descriptor()
         self.ctx.capacity.update({
             "pages": self.shard.num_pages, "block_size": self.layout.block_size,
-            "page_bytes": self.layout.page_bytes, "kv_bytes_per_token": self.layout.kv_bytes_per_token,
+            # Whole-model KV per token: what a transfer of a prefix moves.
+            "page_bytes": self.layout.page_bytes,
+            "kv_bytes_per_token": self.full_layout.kv_bytes_per_token,
             "layout": self.layout.to_dict(), "region": self.region_id,
             "layers": [self.first_layer, self.end_layer],
         })
         if self.cpp:
             self.ctx.capacity.update({"cpp_group": pf.cpp_group, "cpp_stage": pf.cpp_stage,
-                                      "cpp_stages": pf.cpp_stages,
-                                      "kv_bytes_per_token": self.full_layout.kv_bytes_per_token})
+                                      "cpp_stages": pf.cpp_stages})
         # The first forward pass pays one-off costs (kernel selection, page
         # faults): take them now rather than in the first request's TTFT.
         t_warm = time.perf_counter()

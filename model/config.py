@@ -179,3 +179,11 @@ def page_layout(config: ModelConfig, block_size: int, dtype: str = "float32") ->
     return PageLayout(num_layers=config.num_layers, block_size=block_size,
                       num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=dtype)
 
+
+def stage_layers(num_layers: int, stages: int, stage: int) -> tuple[int, int]:
+    """Contiguous, near-equal layer range [first, end) of one pipeline stage."""
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {stages} stages")
+    base, extra = divmod(num_layers, stages)
+    first = stage * base + min(stage, extra)
+    return first, first + base + (1 if stage < extra else 0)

@@ -56,9 +56,11 @@ def node(
     if role is None:
         typer.echo(context.get_help())
         raise typer.Exit(0)
-    from mooncaked.config import ConfigError, load_config
-    from mooncaked.logs import setup_logging
-    from mooncaked.runtime import StartupError, run_node
+    from mooncaked.node.config import ConfigError, load_config
+    from mooncaked.node.logs import setup_logging
+    from mooncaked.node.errors import StartupError
+    from mooncaked.node.runtime import run_node
+    from roles import setup_role  # roles import heavy deps (torch) only when needed
 
     try:
         cfg = load_config(config_file=config, overrides=overrides, flags={
@@ -68,7 +70,7 @@ def node(
         raise fail(str(exc)) from None
     setup_logging(cfg.node.log_level, cfg.node.role)
     try:
-        code = run_node(cfg)
+        code = run_node(cfg, setup_role)
     except StartupError as exc:
         raise fail(str(exc), code=1) from None
     raise typer.Exit(code)

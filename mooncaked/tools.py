@@ -45,7 +45,7 @@ def register(app: typer.Typer) -> None:
           "Transfer engine throughput and latency between two processes.")
     _tool(bench, "model", "model.bench", "mooncaked bench model",
           "Prefill tokens/s (0% and 90% cached) and decode step latency.")
-    _tool(bench, "scheduler", "roles.scheduling.bench", "mooncaked bench scheduler",
+    _tool(bench, "scheduler", "mooncaked.scheduler_bench", "mooncaked bench scheduler",
           "One Algorithm 1 decision at cluster scale (64 nodes, millions of blocks).")
     from mooncaked.benchserve.command import register as register_benchserve
     register_benchserve(bench, app)

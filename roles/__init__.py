@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 
-def setup_role(app: web.Application, ctx) -> None:  # ctx: mooncaked.context.NodeContext
+def setup_role(app: web.Application, ctx) -> None:  # ctx: mooncaked.node.context.NodeContext
     role = ctx.config.node.role
     if role == "conductor":
         from roles.conductor.app import setup_conductor

@@ -18,7 +18,7 @@ import logging
 import aiohttp
 
 from kvstore.shard import StoreShard
-from mooncaked.tasks import cancel_and_wait
+from mooncaked.node.tasks import cancel_and_wait
 
 log = logging.getLogger("mooncaked.cache_sync")
 

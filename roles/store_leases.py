@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from kvstore.shard import StoreShard
-from mooncaked.errors import ApiError, json_response, read_json
-from mooncaked.tasks import cancel_and_wait
+from mooncaked.node.errors import ApiError, json_response, read_json
+from mooncaked.node.tasks import cancel_and_wait
 
 log = logging.getLogger("mooncaked.leases")
 MAX_TTL_S = 120.0

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from mooncaked.membership import ConductorUnreachable, MembershipClient
-from mooncaked.runtime import StartupError
+from mooncaked.node.membership import ConductorUnreachable, MembershipClient
+from mooncaked.node.errors import StartupError
 
 
 def add_membership(app: web.Application, ctx) -> None:

@@ -27,18 +27,17 @@ from aiohttp import web
 
 from kvstore.metrics import register_store_metrics
 from kvstore.shard import StoreShard
-from model.config import load_model_config, page_layout
+from model.config import load_model_config, page_layout, stage_layers
 from model.runner import DecodeSeq, ModelRunner, configure_torch, kv_pages_view
 from model.weights import load_weights
 from rdma.engine import TransferEngine
-from roles.settings import stage_layers
 
 log = logging.getLogger("mooncaked.worker")
 T = TypeVar("T")
 
 
 class WorkerNode:
-    def __init__(self, ctx) -> None:  # ctx: mooncaked.context.NodeContext
+    def __init__(self, ctx) -> None:  # ctx: mooncaked.node.context.NodeContext
         self.ctx = ctx
         self.config = ctx.config
         # One compute thread, configured for torch (threads, denormals) once.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mooncaked.config import ConfigError, NodeConfig, load_config
+from mooncaked.node.config import ConfigError, NodeConfig, load_config
 from tests.nodes import REPO
 
 

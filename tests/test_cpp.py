@@ -9,12 +9,11 @@ import pytest
 import torch
 
 from kvstore.layout import PageLayout
-from model.config import RuntimeConfig, page_layout
+from model.config import RuntimeConfig, page_layout, stage_layers
 from model.runner import ModelRunner, chunk_bounds, kv_pages_view
 from model.weights import load_weights
 from mooncaked.launcher import LocalCluster
 from roles.scheduling.estimators import PipelinePrefillEstimator, PolynomialPrefillEstimator
-from roles.settings import stage_layers
 from tests.cluster_helpers import TINY, complete, leaked, reference_greedy, trace_of
 
 MODEL = "dummy"  # 4 layers: splits into 2 or 3 stages

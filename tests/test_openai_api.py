@@ -18,7 +18,7 @@ import torch
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from mooncaked.errors import ApiError, error_middleware
+from mooncaked.node.errors import ApiError, error_middleware
 from model.config import DUMMY_CONFIGS, page_layout
 from model.runner import DecodeSeq, ModelRunner, kv_pages_view
 from model.sampling import is_stop_token, sample

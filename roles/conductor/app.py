@@ -19,8 +19,9 @@ from aiohttp import web
 from model.config import load_model_config
 from model.tokenizer import load_tokenizer
 from kvstore.keys import block_keys
-from mooncaked.context import CTX
-from mooncaked.errors import ApiError, json_response, read_json, require_bearer
+from mooncaked.node.context import CTX
+from mooncaked.node.errors import (ApiError, StartupError, json_response, read_json,
+                                   require_bearer)
 from roles.conductor.cluster import CLUSTER, ClusterView, add_cache_routes
 from roles.conductor.dispatch import Dispatcher
 from roles.conductor.membership_api import setup_membership
@@ -118,7 +119,6 @@ def setup_conductor(app: web.Application, ctx) -> None:
     try:
         cluster = ClusterView(registry, cfg.conductor)
     except ValueError as exc:
-        from mooncaked.runtime import StartupError
         raise StartupError(str(exc)) from None
     cluster.prefill_chunk = cfg.model.prefill_chunk
     app[CLUSTER] = cluster

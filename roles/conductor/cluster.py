@@ -20,8 +20,8 @@ from typing import Any
 
 from aiohttp import web
 
-from mooncaked.errors import ApiError, json_response, read_json
-from mooncaked.membership import NodeRecord, NodeRegistry
+from mooncaked.node.errors import ApiError, json_response, read_json
+from mooncaked.node.membership import NodeRecord, NodeRegistry
 from roles.scheduling.estimators import (DecodeEstimator, PipelinePrefillEstimator,
                                          PolynomialPrefillEstimator, TransferEstimator)
 from roles.scheduling.scheduler import Scheduler, SchedulerConfig

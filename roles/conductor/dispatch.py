@@ -27,8 +27,8 @@ import orjson
 
 from kvstore.keys import block_keys
 from model.sampling import SamplingParams
-from mooncaked.errors import ApiError
-from mooncaked.tasks import cancel_and_wait
+from mooncaked.node.errors import ApiError
+from mooncaked.node.tasks import cancel_and_wait
 from roles.conductor.cluster import ClusterView
 from roles.conductor.metrics import ConductorMetrics
 from roles.conductor.openai_types import Scheduled, Token

@@ -15,10 +15,10 @@ from typing import Any
 
 from aiohttp import web
 
-from mooncaked.context import CTX
-from mooncaked.errors import ApiError, json_response, read_json
-from mooncaked.membership import NodeRegistry
-from mooncaked.tasks import cancel_and_wait
+from mooncaked.node.context import CTX
+from mooncaked.node.errors import ApiError, json_response, read_json
+from mooncaked.node.membership import NodeRegistry
+from mooncaked.node.tasks import cancel_and_wait
 
 log = logging.getLogger("mooncaked.conductor.membership")
 REGISTRY = web.AppKey("registry", NodeRegistry)

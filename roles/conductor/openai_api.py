@@ -25,7 +25,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from mooncaked.errors import ApiError, error_body, json_response, read_json
+from mooncaked.node.errors import ApiError, error_body, json_response, read_json
 from roles.conductor.openai_output import (ChoiceRun, Piece, chat_body, chunk, completion_body,
                                            usage_chunk)
 from roles.conductor.openai_parse import (check_model, parse_chat, parse_completion,

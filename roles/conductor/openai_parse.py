@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mooncaked.errors import ApiError
+from mooncaked.node.errors import ApiError
 from model.sampling import SamplingParams
 from roles.conductor.openai_types import ApiLimits, GenerationBackend, GenerationRequest
 

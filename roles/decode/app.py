@@ -19,7 +19,7 @@ from aiohttp import web
 from kvstore.shard import StoreFullError
 from model.sampling import SamplingParams
 from model.tokenizer import load_tokenizer
-from mooncaked.errors import ApiError, json_response, read_json
+from mooncaked.node.errors import ApiError, json_response, read_json
 from roles.decode.batcher import DecodeBatcher
 from roles.worker import add_membership
 from roles.worker_node import WORKER, add_worker_resources

@@ -26,7 +26,7 @@ import torch
 
 from model.runner import DecodeSeq
 from model.sampling import SamplingParams, sample
-from mooncaked.tasks import cancel_and_wait
+from mooncaked.node.tasks import cancel_and_wait
 
 log = logging.getLogger("mooncaked.decode")
 

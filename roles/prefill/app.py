@@ -10,7 +10,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from kvstore.shard import StoreFullError
-from mooncaked.errors import ApiError, json_response, read_json
+from mooncaked.node.errors import ApiError, json_response, read_json
 from roles.cache_sync import CacheEventPusher
 from roles.prefill.cpp import CppStages
 from roles.prefill.job import PrefillCancelled, PrefillSpec, prefetch

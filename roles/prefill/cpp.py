@@ -41,7 +41,7 @@ from aiohttp import web
 
 from model.runner import chunk_bounds
 from model.sampling import sample
-from mooncaked.errors import ApiError, json_response, read_json
+from mooncaked.node.errors import ApiError, json_response, read_json
 from rdma.types import TransferOp, TransferRequest
 from roles.prefill.job import PrefillCancelled, PrefillFailed, PrefillJob, PrefillResult, PrefillSpec
 

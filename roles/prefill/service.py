@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from roles.prefill.cpp import GroupPrefill
 from roles.prefill.job import PrefillCancelled, PrefillJob, PrefillResult, PrefillSpec
-from mooncaked.tasks import cancel_and_wait
+from mooncaked.node.tasks import cancel_and_wait
 
 log = logging.getLogger("mooncaked.prefill")
 

@@ -7,7 +7,8 @@ from .estimators import (DecodeEstimator, FlopsPrefillEstimator, ModelShape,
                          PolynomialPrefillEstimator, PrefillEstimator, TransferEstimator,
                          fit_polynomial)
 from .index import GlobalCacheIndex
-from .policies import POLICIES, PlanContext, Policy, make_policy
+from .policies import POLICIES, PlanContext, Policy
+from .registry import make_policy
 from .scheduler import Scheduler, SchedulerConfig
 from .state import (Decision, DecodeNodeState, NodeReport, PrefillNodeState, PrefillPlan,
                     Rejection, ScheduleRequest, TransferPlan)

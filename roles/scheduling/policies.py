@@ -172,16 +172,3 @@ POLICIES: dict[str, Callable[..., Policy]] = {
     LocalCacheAwarePolicy.name: LocalCacheAwarePolicy,
     MooncakePolicy.name: MooncakePolicy,
 }
-
-
-def make_policy(name: str, **params: object) -> Policy:
-    """Build a policy by name; `params` are its constructor arguments."""
-    from . import peers  # registers the peer routers
-
-    factories = {**POLICIES, **peers.PEER_POLICIES}
-    if name not in factories:
-        raise ValueError(f"policy: unknown {name!r}; choose from {sorted(factories)}")
-    try:
-        return factories[name](**params)
-    except TypeError as e:
-        raise ValueError(f"policy {name!r}: bad parameters {params}: {e}") from None

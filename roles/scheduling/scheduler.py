@@ -11,7 +11,8 @@ from typing import Iterable
 
 from .estimators import DecodeEstimator, PrefillEstimator, TransferEstimator
 from .index import GlobalCacheIndex
-from .policies import PlanContext, Policy, make_policy
+from .policies import PlanContext, Policy
+from .registry import make_policy
 from .state import (Decision, DecodeNodeState, NodeReport, PendingPrefill, PrefillNodeState,
                     Rejection, ScheduleRequest)
 

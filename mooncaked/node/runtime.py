@@ -17,20 +17,17 @@ import asyncio
 import logging
 import signal
 import socket
+from typing import Callable
 
 from aiohttp import web
 
-from mooncaked.admin import add_admin_routes
-from mooncaked.config import NodeConfig
-from mooncaked.context import CTX, NodeContext
-from mooncaked.errors import error_middleware, internal_auth_middleware
-from mooncaked.sdnotify import notify
+from mooncaked.node.admin import add_admin_routes
+from mooncaked.node.config import NodeConfig
+from mooncaked.node.context import CTX, NodeContext
+from mooncaked.node.errors import StartupError, error_middleware, internal_auth_middleware
+from mooncaked.node.sdnotify import notify
 
 log = logging.getLogger("mooncaked.runtime")
-
-
-class StartupError(Exception):
-    """A start-up failure to report as one line (e.g. conductor unreachable)."""
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -47,9 +44,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_app(ctx: NodeContext) -> web.Application:
-    from roles import setup_role  # roles import heavy deps (torch) only when needed
+# Wires one role into a node's app: routes plus cleanup_ctx resources.  The
+# runtime takes it as an argument so that it never imports ``roles`` (layers
+# point one way: roles -> node plumbing).
+RoleSetup = Callable[[web.Application, NodeContext], None]
 
+
+def build_app(ctx: NodeContext, setup_role: RoleSetup) -> web.Application:
     max_body = ctx.config.conductor.max_request_bytes
     app = web.Application(middlewares=[error_middleware,
                                        internal_auth_middleware(ctx.config.node.cluster_token)],
@@ -60,12 +61,12 @@ def build_app(ctx: NodeContext) -> web.Application:
     return app
 
 
-async def serve(config: NodeConfig) -> int:
+async def serve(config: NodeConfig, setup_role: RoleSetup) -> int:
     ctx = NodeContext(config=config)
     sock = bind_socket(config.node.host, config.node.port)
     host, port = sock.getsockname()[:2]
     ctx.url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
-    app = build_app(ctx)
+    app = build_app(ctx, setup_role)
     runner = web.AppRunner(app, handle_signals=False, access_log=None,
                            shutdown_timeout=config.node.shutdown_timeout_s)
     stop = asyncio.Event()
@@ -92,9 +93,9 @@ async def serve(config: NodeConfig) -> int:
     return 0
 
 
-def run_node(config: NodeConfig) -> int:
+def run_node(config: NodeConfig, setup_role: RoleSetup) -> int:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; keep running without it
-        return asyncio.run(serve(config))
-    return uvloop.run(serve(config))
+        return asyncio.run(serve(config, setup_role))
+    return uvloop.run(serve(config, setup_role))

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Gauge, Info
 from prometheus_client import ProcessCollector, PlatformCollector
 
 from mooncaked import __version__
-from mooncaked.config import NodeConfig
+from mooncaked.node.config import NodeConfig
 
 
 @dataclass

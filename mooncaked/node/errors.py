@@ -20,6 +20,10 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           502: "bad_gateway", 503: "service_unavailable", 504: "timeout_error"}
 
 
+class StartupError(Exception):
+    """A start-up failure to report as one line (e.g. conductor unreachable)."""
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None) -> None:

@@ -1,6 +1,6 @@
 """Benchmark: one scheduling decision at scale, printed as JSON.
 
-`python -m roles.scheduling.bench [--blocks N] [--nodes N] [--prompt-tokens N]`
+`python -m mooncaked.scheduler_bench [--blocks N] [--nodes N] [--prompt-tokens N]`
 
 Builds a global index of `--blocks` distinct 64-bit keys spread over the
 prefill nodes (plus a shared 128k-token prompt prefix held, to varying
@@ -17,9 +17,9 @@ import resource
 import statistics
 import time
 
-from .estimators import DecodeEstimator, FlopsPrefillEstimator, ModelShape, TransferEstimator
-from .scheduler import Scheduler, SchedulerConfig
-from .state import Decision, ScheduleRequest
+from roles.scheduling.estimators import DecodeEstimator, FlopsPrefillEstimator, ModelShape, TransferEstimator
+from roles.scheduling.scheduler import Scheduler, SchedulerConfig
+from roles.scheduling.state import Decision, ScheduleRequest
 
 
 def _rss_mib() -> float:

@@ -21,10 +21,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from kvstore.config import StoreConfig
-from mooncaked.sections import ConductorSection, NodeSection
+from mooncaked.node.sections import ConductorSection, DecodeSection, NodeSection, PrefillSection
 from model.config import RuntimeConfig as ModelSpec
 from rdma.config import TransferConfig
-from roles.settings import DecodeSection, PrefillSection
 
 ENV_PREFIX = "MOONCAKED_"
 

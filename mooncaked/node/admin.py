@@ -14,8 +14,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from mooncaked import __version__
-from mooncaked.context import CTX
-from mooncaked.errors import json_response, require_bearer
+from mooncaked.node.context import CTX
+from mooncaked.node.errors import json_response, require_bearer
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import aiohttp
-from mooncaked.tasks import cancel_and_wait
+from mooncaked.node.tasks import cancel_and_wait
 
 log = logging.getLogger("mooncaked.membership")
 

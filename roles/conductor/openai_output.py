@@ -1,22 +1,22 @@
 """From backend token events to OpenAI response bodies and SSE chunks.
 
-``ChoiceRun`` drives one backend generator (one choice): incremental,
+``ChoiceOutput`` turns one choice's token events into text: incremental,
 UTF-8-safe detokenization, stop strings, the ``max_tokens`` cap, logprobs,
 usage counts and timings. The functions below it build the JSON shapes of
-/v1/completions and /v1/chat/completions.
+/v1/completions and /v1/chat/completions.  Nothing here awaits: the route
+drives the backend and hands events in.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from model.sampling import StopStringChecker
 from model.tokenizer import IncrementalDetokenizer
-from roles.conductor.openai_types import (GenerationRequest, GenEvent, RequestRecord, Scheduled,
-                                          Token, TokenizerLike)
+from roles.conductor.openai_types import GenerationRequest, RequestRecord, Token, TokenizerLike
 
 
 @dataclass
@@ -36,25 +36,24 @@ class Piece:
     finish_reason: str | None = None
 
 
-class ChoiceRun:
-    """One generation: call ``start`` (admission), then ``next_piece`` until it
-    returns None; ``close`` is idempotent and always safe (call it in a finally).
+class ChoiceOutput:
+    """The text of one choice, built from its backend token events.
+
+    Pure: it neither awaits nor owns the backend generator (the route that
+    drives the generation feeds it events, see ``openai_api.ChoiceRun``), so
+    a request reads one way: route -> backend -> this formatter -> wire.
 
     Invariants: text is emitted only once it is complete UTF-8 and cannot be
     the start of a stop string; at most ``req.max_tokens`` tokens are counted;
-    the backend generator is closed as soon as this choice is finished.
+    once ``finished`` it takes no more events.
     """
 
-    def __init__(self, req: GenerationRequest, gen: AsyncGenerator[GenEvent, None],
-                 tokenizer: TokenizerLike) -> None:
+    def __init__(self, req: GenerationRequest, tokenizer: TokenizerLike) -> None:
         self.req = req
-        self._gen = gen
         self._tok = tokenizer
         self._detok = IncrementalDetokenizer(tokenizer)  # type: ignore[arg-type]
         self._stops = StopStringChecker(req.stop)
-        self._pending: Token | None = None
         self._echo = req.echo
-        self._closed = False
         self._entries: list[LogprobEntry] = []
         self._decoded_chars = 0  # detokenizer output so far (before stop trimming)
         self.trace: dict[str, Any] = {}
@@ -65,48 +64,23 @@ class ChoiceRun:
         self.token_times: list[float] = []  # time.monotonic() of each token event
         self.logprob_entries: list[LogprobEntry] = []  # all of them (non-stream bodies)
 
-    async def start(self) -> dict[str, Any]:
-        """Wait for the backend's first event; returns the trace. Raises whatever
-        the backend raises when it rejects the request."""
-        try:
-            first = await self._gen.__anext__()
-        except StopAsyncIteration:
-            self.finish_reason = "stop"  # nothing to generate
-            await self.close()
-            return self.trace
-        if isinstance(first, Scheduled):
-            self.trace = dict(first.trace)
-        elif isinstance(first, Token):  # a backend that skipped Scheduled: tolerate it
-            self._pending = first
-        return self.trace
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
-    async def next_piece(self) -> Piece | None:
-        """The next piece of output, or None once the choice is finished."""
-        if self._echo:
-            self._echo = False
-            text = self.req.prompt_text
-            if text is None:
-                text = self._tok.decode(self.req.prompt_token_ids)
-            self.text_parts.append(text)
-            return Piece(self.req.index, text)
-        while self.finish_reason is None:
-            if self._pending is not None:
-                event, self._pending = self._pending, None
-            else:
-                try:
-                    event = await self._gen.__anext__()
-                except StopAsyncIteration:
-                    # Ended without a finish_reason: infer one.
-                    finish = "length" if self.completion_tokens >= self.req.max_tokens else "stop"
-                    return await self._finish(self._detok.flush(), finish)
-            if not isinstance(event, Token):
-                continue  # only one Scheduled is meaningful; ignore repeats
-            piece = await self._on_token(event)
-            if piece is not None:
-                return piece
-        return None
+    def echo_piece(self) -> Piece | None:
+        """The prompt itself, once, before any token (``echo``)."""
+        if not self._echo:
+            return None
+        self._echo = False
+        text = self.req.prompt_text
+        if text is None:
+            text = self._tok.decode(self.req.prompt_token_ids)
+        self.text_parts.append(text)
+        return Piece(self.req.index, text)
 
-    async def _on_token(self, event: Token) -> Piece | None:
+    def on_token(self, event: Token) -> Piece | None:
+        """Output that ``event`` makes ready (None: held back for now)."""
         now = time.monotonic()
         self.token_times.append(now)
         self.completion_tokens += 1
@@ -120,25 +94,29 @@ class ChoiceRun:
         if finish is None and self.completion_tokens >= self.req.max_tokens:
             finish = "length"  # the backend overran max_tokens: cut it here
         if finish is not None:
-            return await self._finish(delta + self._detok.flush(), finish)
+            return self._finish(delta + self._detok.flush(), finish)
         self._decoded_chars += len(delta)
         text, hit = self._stops.feed(delta)
         if hit:
-            return await self._finish_piece(text, "stop")
+            return self._finish_piece(text, "stop")
         return self._piece(text) if text else None
 
-    async def _finish(self, delta: str, finish: str) -> Piece:
+    def on_end(self) -> Piece:
+        """The backend ended without a finish_reason: infer one."""
+        finish = "length" if self.completion_tokens >= self.req.max_tokens else "stop"
+        return self._finish(self._detok.flush(), finish)
+
+    def _finish(self, delta: str, finish: str) -> Piece:
         self._decoded_chars += len(delta)
         text, hit = self._stops.feed(delta)
         if hit:
             finish = "stop"
         else:
             text += self._stops.flush()
-        return await self._finish_piece(text, finish)
+        return self._finish_piece(text, finish)
 
-    async def _finish_piece(self, text: str, finish: str) -> Piece:
+    def _finish_piece(self, text: str, finish: str) -> Piece:
         self.finish_reason = finish
-        await self.close()
         piece = self._piece(text)
         piece.finish_reason = finish
         return piece
@@ -148,13 +126,6 @@ class ChoiceRun:
         entries, self._entries = self._entries, []
         self.logprob_entries += entries
         return Piece(self.req.index, text, entries)
-
-    async def close(self) -> None:
-        """Close the backend generator (cancellation for the backend if it was
-        still producing). Safe to call any number of times."""
-        if not self._closed:
-            self._closed = True
-            await self._gen.aclose()
 
     def record(self, status: int, error: str | None = None) -> RequestRecord:
         times = self.token_times
@@ -171,7 +142,7 @@ class ChoiceRun:
 
 # ---- JSON shapes -------------------------------------------------------------
 
-def usage(runs: Sequence[ChoiceRun]) -> dict[str, Any]:
+def usage(runs: Sequence[ChoiceOutput]) -> dict[str, Any]:
     prompt = sum(len(r.req.prompt_token_ids) for r in runs)
     completion = sum(r.completion_tokens for r in runs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
@@ -207,7 +178,7 @@ def _logprobs(kind: str, req: GenerationRequest, entries: Sequence[LogprobEntry]
 
 
 def completion_body(http_id: str, created: int, model: str,
-                    runs: Sequence[ChoiceRun]) -> dict[str, Any]:
+                    runs: Sequence[ChoiceOutput]) -> dict[str, Any]:
     choices = [{"index": r.req.index, "text": "".join(r.text_parts),
                 "logprobs": _logprobs("completion", r.req, r.logprob_entries),
                 "finish_reason": r.finish_reason} for r in runs]
@@ -215,7 +186,7 @@ def completion_body(http_id: str, created: int, model: str,
             "choices": choices, "usage": usage(runs)}
 
 
-def chat_body(http_id: str, created: int, model: str, runs: Sequence[ChoiceRun]) -> dict[str, Any]:
+def chat_body(http_id: str, created: int, model: str, runs: Sequence[ChoiceOutput]) -> dict[str, Any]:
     choices = [{"index": r.req.index,
                 "message": {"role": "assistant", "content": "".join(r.text_parts)},
                 "logprobs": _logprobs("chat", r.req, r.logprob_entries),
@@ -247,7 +218,7 @@ def chunk(kind: str, http_id: str, req: GenerationRequest, piece: Piece,
 
 
 def usage_chunk(kind: str, http_id: str, req: GenerationRequest,
-                runs: Sequence[ChoiceRun]) -> dict[str, Any]:
+                runs: Sequence[ChoiceOutput]) -> dict[str, Any]:
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     return {"id": http_id, "object": obj, "created": req.created, "model": req.model,
             "choices": [], "usage": usage(runs)}

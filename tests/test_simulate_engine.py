@@ -9,10 +9,9 @@ from mooncaked.simulate.engine import Simulation
 from mooncaked.simulate.metrics import paper_tbt
 from mooncaked.simulate.store import LruShard
 from mooncaked.simulate.trace import TraceRequest, load_trace, theoretical_hit_rate
-from tests.paths import SYNTHETIC_TRACE
+from tests.paths import SYNTHETIC_TRACE, needs_trace
 
 TRACE = SYNTHETIC_TRACE
-needs_trace = pytest.mark.skipif(not TRACE.is_file(), reason=f"trace {TRACE} not present")
 
 
 @pytest.fixture
@@ -158,7 +157,8 @@ def test_shared_prompt_replicates_to_every_serving_node_and_decode_stats(tiny_pr
     """A key every request uses ends up on every prefill node that served one
     (Fig. 11's mechanism: a node keeps what it prefilled or pulled); the
     replica count of a key is bounded by the nodes that served its requests."""
-    from mooncaked.simulate.figures import _replica_bound, _with_system_prompt
+    from mooncaked.simulate.experiments import replica_bound as _replica_bound
+    from mooncaked.simulate.trace import with_system_prompt as _with_system_prompt
 
     # Eight requests with distinct bodies, arriving together: the cost model
     # spreads them over the 4 prefill nodes.

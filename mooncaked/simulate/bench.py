@@ -19,6 +19,7 @@ from .trace import TraceRequest, load_trace
 
 
 def tile(trace: list[TraceRequest], n: int, rate_scale: float) -> list[TraceRequest]:
+    """n requests from copies of `trace` with disjoint hash ids, at rate_scale x its rate."""
     span = max(r.hash_ids[-1] for r in trace if r.hash_ids) + 1
     out = []
     copies = -(-n // len(trace))

@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 
 from .config import SimConfig
-from .engine import SimResult, run_simulation
+from .engine import run_simulation
+from .records import SimResult
 
 
 def write_outputs(res: SimResult, out: Path, plots: bool = True) -> list[Path]:
@@ -26,7 +27,8 @@ def write_outputs(res: SimResult, out: Path, plots: bool = True) -> list[Path]:
 def register(app: typer.Typer) -> None:
     """Add the `simulate` command to the project CLI."""
 
-    @app.command("simulate", help="Replay a trace on a simulated cluster (16-512 nodes) through the real scheduler and a cost model; see docs/simulation.md.")
+    @app.command("simulate", help="Replay a trace on a simulated cluster (16-512 nodes) "
+                 "through the real scheduler and a cost model; see docs/simulation.md.")
     def simulate(
         trace: Path = typer.Option(..., help="Mooncake-format JSONL trace"),
         prefill: int = typer.Option(8, help="prefill nodes (colocated: all nodes)"),

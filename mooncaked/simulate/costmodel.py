@@ -8,6 +8,8 @@ from .config import HardwareProfile
 
 
 class CostModel:
+    """Seconds the simulated hardware takes; the simulator's clock advances by these."""
+
     def __init__(self, profile: HardwareProfile, nic_gbps: float = 0.0,
                  chunk_tokens: int = 1024) -> None:
         self.profile = profile
@@ -24,6 +26,9 @@ class CostModel:
         weights = profile.params * profile.bytes_per_elem
         self.decode_kv_capacity_tokens = max(
             0, int((profile.hbm_bytes - weights) / self.kv_bytes_per_token))
+        # the simulator's own clock for a fitted profile; never observed, so
+        # it stays the fitted curve (the scheduler gets its own instance)
+        self._poly = PolynomialPrefillEstimator(profile.poly) if profile.poly else None
 
     def prefill_estimator(self) -> PrefillEstimator:
         """The estimator the scheduler uses: the cost model's own formula."""
@@ -36,25 +41,26 @@ class CostModel:
         """Time to prefill tokens [prefix, prompt) in chunks on one node.
 
         Per chunk [s, e): flops(e) - flops(s) (telescopes to the paper's
-        flops(N) - flops(p)) plus a fixed per-chunk overhead.
+        flops(N) - flops(p)) plus a fixed per-chunk overhead. At least the
+        last token is computed, even under a full prefix hit.
         """
-        p = self.profile
-        if p.poly:
-            est = PolynomialPrefillEstimator(p.poly)
-            return est.seconds(prompt, prefix)
+        if self._poly is not None:
+            return self._poly.seconds(prompt, prefix)
         new = max(1, prompt - prefix)
         chunks = -(-new // self.chunk_tokens)
-        flops = self.shape.flops(prompt) - self.shape.flops(prompt - new)
-        return flops / (p.gpu_flops * p.prefill_efficiency) + chunks * p.prefill_chunk_overhead_s
+        return self._flops_s(prompt - new, prompt) + chunks * self.profile.prefill_chunk_overhead_s
 
     def chunk_s(self, start: int, end: int) -> float:
         """One chunk of prefill covering positions [start, end)."""
+        if self._poly is not None:
+            return self._poly.seconds(end, start)
+        return self._flops_s(start, end) + self.profile.prefill_chunk_overhead_s
+
+    def _flops_s(self, start: int, end: int) -> float:
+        """Compute time of positions [start, end) at the profile's effective FLOP/s."""
         p = self.profile
-        if p.poly:
-            est = PolynomialPrefillEstimator(p.poly)
-            return est.seconds(end, start)
         return ((self.shape.flops(end) - self.shape.flops(start))
-                / (p.gpu_flops * p.prefill_efficiency) + p.prefill_chunk_overhead_s)
+                / (p.gpu_flops * p.prefill_efficiency))
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         return self.decode_est.seconds(batch, context_tokens)

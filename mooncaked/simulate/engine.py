@@ -17,84 +17,24 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections import Counter, deque
-from dataclasses import dataclass, field
+from collections import Counter
 
 from roles.scheduling import (Decision, Scheduler, SchedulerConfig, ScheduleRequest,
                               TransferEstimator, make_policy)
 
 from .config import SimConfig, load_profile
 from .costmodel import CostModel
+from .metrics import build_result
+from .records import DecodeNode, PrefillNode, Req, SimResult
 from .store import LruShard
 from .trace import TraceRequest, load_trace
 
 ARRIVE, XFER_DONE, PREFILL_DONE, DECODE_JOIN, STEP_DONE, WAKE, SAMPLE = range(7)
 
 
-@dataclass(eq=False)
-class Req:
-    t: TraceRequest
-    rid: str
-    sreq: ScheduleRequest
-    decision: Decision | None = None
-    rejected: str = ""
-    prefix_tokens: int = 0
-    local_prefix_tokens: int = 0
-    transferred_tokens: int = 0
-    ready_at: float = 0.0
-    prefill_start: float = -1.0
-    first_token: float = -1.0
-    prefill_s: float = 0.0
-    last_token: float = 0.0
-    tokens_left: int = 0
-    context: int = 0
-    intervals: list[float] = field(default_factory=list)
-    done_at: float = -1.0
-    pinned: tuple[int, ...] = ()
-    # colocated: next position to prefill
-    pos: int = 0
-
-
-class _Prefill:
-    def __init__(self, nid: str, store: LruShard) -> None:
-        self.nid = nid
-        self.store = store
-        self.queue: deque[Req] = deque()
-        self.busy = False
-        self.wake_at = math.inf
-        self.busy_s = 0.0
-        self.served = 0
-
-
-class _Decode:
-    def __init__(self, nid: str) -> None:
-        self.nid = nid
-        self.running: list[Req] = []
-        self.joining: list[Req] = []
-        self.stepping = False
-        self.context = 0
-        self.busy_s = 0.0
-        self.steps = 0
-        self.max_batch = 0
-        # colocated only
-        self.prefills: deque[Req] = deque()
-        self.cur: Req | None = None
-
-
-@dataclass
-class SimResult:
-    config: dict
-    summary: dict
-    requests: list[dict]
-    replicas: dict
-    nodes: dict
-
-    def to_json(self) -> dict:
-        return {"config": self.config, "summary": self.summary, "replicas": self.replicas,
-                "nodes": self.nodes, "requests": self.requests}
-
-
 class Simulation:
+    """One run: build the cluster and the real Scheduler, then `run()` the event loop once."""
+
     def __init__(self, cfg: SimConfig, trace: list[TraceRequest] | None = None) -> None:
         self.cfg = cfg
         self.profile = load_profile(cfg.model_profile)
@@ -124,16 +64,17 @@ class Simulation:
             self.cost.prefill_estimator(), TransferEstimator(self.cost.transfer_Bps),
             self.cost.decode_est, policy=self.policy)
         cap_blocks = None if cap_tokens < 0 else cap_tokens // bs
-        self.prefills = {f"p{i}": _Prefill(f"p{i}", LruShard(cap_blocks)) for i in range(cfg.prefill)}
+        self.prefills = {f"p{i}": PrefillNode(f"p{i}", LruShard(cap_blocks))
+                         for i in range(cfg.prefill)}
         for nid in self.prefills:
             self.scheduler.add_prefill_node(nid, cap_blocks or 0)
         kv_pages = int(self.cost.decode_kv_capacity_tokens * cfg.decode_kv_fraction) // bs
         if kv_pages <= 0:
             raise ValueError("model_profile: no HBM left for KV after the weights")
         if self.colocated:
-            self.decodes = {nid: _Decode(nid) for nid in self.prefills}
+            self.decodes = {nid: DecodeNode(nid) for nid in self.prefills}
         else:
-            self.decodes = {f"d{i}": _Decode(f"d{i}") for i in range(cfg.decode)}
+            self.decodes = {f"d{i}": DecodeNode(f"d{i}") for i in range(cfg.decode)}
         for nid in self.decodes:
             self.scheduler.add_decode_node(nid, kv_pages, bs)
         self.nic_free: dict[str, float] = {}
@@ -150,7 +91,7 @@ class Simulation:
         self._seq += 1
         heapq.heappush(self.heap, (t, self._seq, kind, a, b))
 
-    def _store_put(self, node: _Prefill, keys) -> None:
+    def _store_put(self, node: PrefillNode, keys) -> None:
         stored, evicted = node.store.put(keys)
         if stored or evicted:
             self.scheduler.on_events(node.nid, node.store.seq, stored, evicted)
@@ -172,7 +113,6 @@ class Simulation:
             self.now = t
             handlers[kind](t, a, b)
         wall = time.perf_counter() - wall0
-        from .metrics import build_result
         return build_result(self, wall)
 
     # ---- arrivals and dispatch ------------------------------------------------
@@ -235,7 +175,7 @@ class Simulation:
         self._try_start(node, now)
 
     # ---- prefill nodes --------------------------------------------------------
-    def _try_start(self, node: _Prefill, now: float) -> None:
+    def _try_start(self, node: PrefillNode, now: float) -> None:
         if node.busy or not node.queue:
             return
         pick = None
@@ -260,12 +200,12 @@ class Simulation:
         self.scheduler.on_prefill_started(node.nid, pick.rid, now)
         self.push(now + dur, PREFILL_DONE, node, pick)
 
-    def _wake(self, now: float, node: _Prefill, _b: object) -> None:
+    def _wake(self, now: float, node: PrefillNode, _b: object) -> None:
         if node.wake_at <= now:
             node.wake_at = math.inf
         self._try_start(node, now)
 
-    def _prefill_done(self, now: float, node: _Prefill, r: Req) -> None:
+    def _prefill_done(self, now: float, node: PrefillNode, r: Req) -> None:
         node.busy = False
         self._first_token(r, node, now)
         d = r.decision
@@ -277,7 +217,7 @@ class Simulation:
             self.push(now + tail, DECODE_JOIN, self.decodes[d.decode_node], r)
         self._try_start(node, now)
 
-    def _first_token(self, r: Req, node: _Prefill, now: float) -> None:
+    def _first_token(self, r: Req, node: PrefillNode, now: float) -> None:
         r.first_token = now
         r.last_token = now
         r.tokens_left = max(0, r.t.output_length - 1)
@@ -290,12 +230,12 @@ class Simulation:
             self._finish(r, now)
 
     # ---- decode nodes ---------------------------------------------------------
-    def _decode_join(self, now: float, dn: _Decode, r: Req) -> None:
+    def _decode_join(self, now: float, dn: DecodeNode, r: Req) -> None:
         dn.joining.append(r)
         if not dn.stepping:
             self._start_step(dn, now)
 
-    def _start_step(self, dn: _Decode, now: float) -> None:
+    def _start_step(self, dn: DecodeNode, now: float) -> None:
         if dn.joining:
             for r in dn.joining:
                 dn.context += r.context
@@ -326,7 +266,7 @@ class Simulation:
         dn.steps += 1
         self.push(now + dur, STEP_DONE, dn, chunk)
 
-    def _step_done(self, now: float, dn: _Decode, chunk: int | None) -> None:
+    def _step_done(self, now: float, dn: DecodeNode, chunk: int | None) -> None:
         if dn.running:
             still = []
             for r in dn.running:

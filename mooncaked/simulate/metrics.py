@@ -3,10 +3,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
+
+from .records import SimResult
 
 if TYPE_CHECKING:
-    from .engine import SimResult, Simulation
+    from roles.scheduling import Scheduler
+
+    from .config import SimConfig
+    from .costmodel import CostModel
+    from .records import DecodeNode, PrefillNode, Req
 
 TBT_SLOS_MS = (100.0, 200.0, 300.0)
 
@@ -21,15 +27,33 @@ def paper_tbt(intervals: list[float]) -> float:
 
 
 def pct(xs: list[float], q: float) -> float:
+    """The q-quantile of xs: the sorted sample at index round(q * (n - 1)); 0.0 if empty."""
     if not xs:
         return 0.0
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
 
 
-def build_result(sim: Simulation, wall_s: float) -> SimResult:
-    from .engine import SimResult
+class FinishedRun(Protocol):
+    """What build_result reads from a run whose event loop has drained.
 
+    engine.Simulation is one; naming the fields here rather than importing
+    the engine keeps the dependency one way (engine -> metrics).
+    """
+
+    cfg: SimConfig
+    cost: CostModel
+    scheduler: Scheduler
+    reqs: list[Req]
+    prefills: dict[str, PrefillNode]
+    decodes: dict[str, DecodeNode]
+    hot: list[int]  # the sampled hot keys, hottest first
+    replica_samples: list[tuple[float, list[int]]]  # (time, holders per hot key)
+    transfer_bytes: int
+
+
+def build_result(sim: FinishedRun, wall_s: float) -> SimResult:
+    """Per-request rows, the run's summary, per-node load and replica samples."""
     cfg = sim.cfg
     cost = sim.cost
     rows = []

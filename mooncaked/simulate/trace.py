@@ -1,13 +1,18 @@
-"""Mooncake-format traces: loading, rate scaling, theoretical hit rate."""
+"""Mooncake-format traces: loading, reshaping (rate, outputs, shared prefix), hit-rate bounds."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from collections.abc import Callable, Container
 from pathlib import Path
 
 
 @dataclass(frozen=True)
 class TraceRequest:
+    """One trace line. hash_ids[i] keys block i (tokens [i*bs, (i+1)*bs)) and,
+    being a chained hash, stands for the whole prefix up to that block."""
+
     index: int
     arrival_s: float
     input_length: int
@@ -51,46 +56,75 @@ def load_trace(path: str, rate_scale: float = 1.0, limit: int = 0,
     return out
 
 
+def rescale(reqs: list[TraceRequest], rate_scale: float = 1.0,
+            output_scale: float = 1.0) -> list[TraceRequest]:
+    """The trace with arrivals `rate_scale` x denser and outputs `output_scale` x longer.
+
+    An output of 0 tokens stays 0; any other stays >= 1 token.
+    """
+    return [replace(r, arrival_s=r.arrival_s / rate_scale,
+                    output_length=max(1, round(r.output_length * output_scale))
+                    if r.output_length else 0) for r in reqs]
+
+
+def with_system_prompt(reqs: list[TraceRequest], blocks: int,
+                       block_size: int = 512) -> list[TraceRequest]:
+    """Every request prefixed by the same `blocks` blocks (fresh hash ids).
+
+    Keys are chained hashes, so one shared leading prefix keeps every
+    request's own ids valid; only the leading blocks become common.
+    """
+    base = 1 + max((h for r in reqs for h in r.hash_ids), default=-1)
+    head = tuple(range(base, base + blocks))
+    return [replace(r, input_length=r.input_length + blocks * block_size,
+                    hash_ids=head + r.hash_ids) for r in reqs]
+
+
 def reusable_tokens(blocks: int, input_length: int, block_size: int) -> int:
     """Tokens a cached prefix of `blocks` saves; the last token is always computed."""
     return min(blocks * block_size, input_length - 1)
+
+
+def _replay_hit_rate(reqs: list[TraceRequest], cached: Container[int],
+                     admit: Callable[[tuple[int, ...]], None], block_size: int) -> float:
+    """Token hit rate of replaying `reqs` in order against one cache.
+
+    A request hits the leading run of its blocks found in `cached`, then
+    `admit` stores all its blocks (so a request never hits itself).
+    """
+    hit = total = 0
+    for r in reqs:
+        k = 0
+        while k < len(r.hash_ids) and r.hash_ids[k] in cached:
+            k += 1
+        hit += reusable_tokens(k, r.input_length, block_size)
+        total += r.input_length
+        admit(r.hash_ids)
+    return hit / total if total else 0.0
 
 
 def theoretical_hit_rate(reqs: list[TraceRequest], block_size: int = 512) -> float:
     """Hit rate with an unbounded cache and instant storage, in tokens.
 
     A request reuses its longest prefix of blocks that some earlier
-    request also had at the same positions.
+    request also had at the same positions (ids are chained hashes, so a
+    shared id means a shared prefix).
     """
     seen: set[int] = set()
-    hit = total = 0
-    for r in reqs:
-        k = 0
-        while k < len(r.hash_ids) and r.hash_ids[k] in seen:
-            k += 1
-        hit += reusable_tokens(k, r.input_length, block_size)
-        total += r.input_length
-        seen.update(r.hash_ids)
-    return hit / total if total else 0.0
+    return _replay_hit_rate(reqs, seen, seen.update, block_size)
 
 
 def lru_pool_hit_rate(reqs: list[TraceRequest], capacity_tokens: int,
                       block_size: int = 512) -> float:
     """Hit rate of one LRU pool of `capacity_tokens` (Fig. 9's x-axis)."""
-    from collections import OrderedDict
-
     cap = max(0, capacity_tokens // block_size)
     lru: OrderedDict[int, None] = OrderedDict()
-    hit = total = 0
-    for r in reqs:
-        k = 0
-        while k < len(r.hash_ids) and r.hash_ids[k] in lru:
-            k += 1
-        hit += reusable_tokens(k, r.input_length, block_size)
-        total += r.input_length
-        for h in r.hash_ids:
+
+    def admit(ids: tuple[int, ...]) -> None:
+        for h in ids:
             lru[h] = None
             lru.move_to_end(h)
         while len(lru) > cap:
             lru.popitem(last=False)
-    return hit / total if total else 0.0
+
+    return _replay_hit_rate(reqs, lru, admit, block_size)

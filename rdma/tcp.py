@@ -27,14 +27,11 @@ import time
 from collections.abc import Callable
 
 from . import frames
+from .endpoint import Endpoint, EndpointError, Posted
 from .frames import FrameError
 from .types import Region, TransferOp
 
 log = logging.getLogger(__name__)
-
-
-class EndpointError(ConnectionError):
-    """A connection failed; every slice posted on it fails with this."""
 
 
 def _family(host: str) -> socket.AddressFamily:
@@ -203,14 +200,15 @@ class TcpListener:
 
 # -- endpoint (initiator side) ----------------------------------------------
 
-class _Post:
-    __slots__ = ("op", "rid", "offset", "view", "fut")
+class _Post(Posted):
+    __slots__ = ("op", "rid", "offset", "view")
 
     def __init__(self, op: TransferOp, rid: int, offset: int, view: memoryview, fut: asyncio.Future) -> None:
-        self.op, self.rid, self.offset, self.view, self.fut = op, rid, offset, view, fut
+        super().__init__(fut, len(view))
+        self.op, self.rid, self.offset, self.view = op, rid, offset, view
 
 
-class TcpEndpoint:
+class TcpEndpoint(Endpoint):
     """One connection to one remote NIC; slices are pipelined on it.
 
     ``post`` is called from the event loop; a sender thread writes requests
@@ -218,24 +216,16 @@ class TcpEndpoint:
     serves a connection sequentially) to posted slices by sequence number.
     """
 
+    pending: dict[int, _Post]
+
     def __init__(self, loop: asyncio.AbstractEventLoop, local_host: str, remote_host: str, remote_port: int,
                  token: str, expect_segment: str, user_timeout_ms: int, connect_timeout_s: float,
-                 on_fail: Callable[["TcpEndpoint", str, bool], None] | None = None) -> None:
-        self.loop = loop
+                 on_fail: Callable[[Endpoint, str, bool], None] | None = None) -> None:
+        super().__init__(loop, token, user_timeout_ms, connect_timeout_s, on_fail)
         self.local_host, self.remote_host, self.remote_port = local_host, remote_host, remote_port
-        self.token = token
         self.expect_segment = expect_segment
-        self.user_timeout_ms = user_timeout_ms
-        self.connect_timeout_s = connect_timeout_s
-        self.on_fail = on_fail
         self.sock: socket.socket | None = None
         self.key: bytes | None = None
-        self.pending: dict[int, _Post] = {}
-        self.pending_bytes = 0
-        self.last_progress = time.monotonic()
-        self.failed: str | None = None
-        self.retired = False
-        self._seq = 0
         self._q: queue.SimpleQueue[_Post | None] = queue.SimpleQueue()
 
     # connection setup runs in a worker thread (blocking connect + handshake)
@@ -258,7 +248,7 @@ class TcpEndpoint:
 
     async def connect(self) -> None:
         try:
-            await asyncio.wait_for(asyncio.to_thread(self._connect_blocking), self.connect_timeout_s + 1)
+            await self._connect_in_thread()
         except (OSError, FrameError, asyncio.TimeoutError) as e:
             raise EndpointError(f"connect {self.local_host}->{self.remote_host}:{self.remote_port}: "
                                 f"{e or type(e).__name__}") from e
@@ -268,16 +258,11 @@ class TcpEndpoint:
     def post(self, op: TransferOp, rid: int, offset: int, view: memoryview, local_region: int = 0,
              local_offset: int = 0) -> asyncio.Future:
         """Queue one slice; the future resolves when the target acknowledged it."""
-        fut = self.loop.create_future()
-        if self.failed is not None:
-            fut.set_exception(EndpointError(self.failed))
+        fut = self._new_future()
+        if fut.done():
             return fut
-        self._seq += 1
-        if not self.pending:
-            self.last_progress = time.monotonic()
         p = _Post(op, rid, offset, view, fut)
-        self.pending[self._seq] = p
-        self.pending_bytes += len(view)
+        self._track(p)
         self._q.put(p)
         return fut
 
@@ -296,7 +281,7 @@ class TcpEndpoint:
                 else:
                     self.sock.sendall(hdr)
         except (OSError, AttributeError) as e:
-            self._thread_fail(f"send: {e}")
+            self._fail_from_thread(f"send: {e}")
 
     def _recv_loop(self) -> None:
         hdr = bytearray(frames.HEADER_SIZE)
@@ -316,59 +301,13 @@ class TcpEndpoint:
                 self.last_progress = time.monotonic()
                 self.loop.call_soon_threadsafe(self._complete, seq)
         except (OSError, ConnectionError, FrameError, AttributeError) as e:
-            self._thread_fail(f"recv: {e}")
+            self._fail_from_thread(f"recv: {e}")
         finally:
             # Only this thread closes the fd, so it is never reused under a
             # thread still blocked on it; everyone else just shuts it down.
             self.sock.close()
 
-    def _complete(self, seq: int) -> None:
-        p = self.pending.pop(seq, None)
-        if p is None:
-            return
-        self.pending_bytes -= len(p.view)
-        if not p.fut.done():
-            p.fut.set_result(None)
-        if self.retired and not self.pending:
-            self.close()
-
-    def _thread_fail(self, reason: str) -> None:
-        if self.failed is None and not self.loop.is_closed():
-            try:
-                self.loop.call_soon_threadsafe(self.abort, reason)
-            except RuntimeError:
-                pass
-
-    def abort(self, reason: str, penalize: bool = True) -> None:
-        """Fail the connection and every slice on it (event-loop thread only);
-        ``penalize`` = count it against the path's health."""
-        if self.failed is not None:
-            return
-        self.failed = reason
-        self._shutdown()
-        # An idle connection the peer closed is just dropped (rebuilt on
-        # next use); only a failure with work on it counts against the path.
-        penalize = penalize and bool(self.pending)
-        pending, self.pending = self.pending, {}
-        self.pending_bytes = 0
-        for p in pending.values():
-            if not p.fut.done():
-                p.fut.set_exception(EndpointError(reason))
-        if self.on_fail is not None:
-            self.on_fail(self, reason, penalize)
-
-    def retire(self) -> None:
-        """Evicted from the pool: close once in-flight slices are done."""
-        self.retired = True
-        if not self.pending:
-            self.close()
-
-    def close(self) -> None:
-        if self.failed is None:
-            self.failed = "closed"
-            self._shutdown()
-
-    def _shutdown(self) -> None:
+    def _teardown(self) -> None:
         self._q.put(None)
         if self.sock is not None:
             try:

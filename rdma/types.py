@@ -87,9 +87,6 @@ class Region:
     location: str
     view: memoryview = field(repr=False)
 
-    def describe(self) -> dict:
-        return {"id": self.id, "length": self.length, "location": self.location}
-
 
 class TransferError(RuntimeError):
     """A transfer that could not complete; ``statuses`` holds every request's end state."""

@@ -36,7 +36,9 @@ import time
 from collections.abc import Callable
 
 from . import frames
-from .tcp import EndpointError, tune_socket, _family
+from .descriptors import SegmentDescriptor
+from .endpoint import Endpoint, EndpointError, Posted
+from .tcp import _family, tune_socket
 from .types import Region, TransferOp
 
 _DEBIAN_DIST = "/usr/lib/python3/dist-packages"
@@ -252,26 +254,20 @@ class VerbsTransport:
             dev.close()
 
 
-class RdmaEndpoint:
+class RdmaEndpoint(Endpoint):
     """One RC QP to one remote device; same interface as tcp.TcpEndpoint."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, transport: VerbsTransport, local_dev: str,
-                 remote_dev: str, ctl_host: str, ctl_port: int, token: str, desc: dict, user_timeout_ms: int,
-                 connect_timeout_s: float, on_fail=None) -> None:
-        self.loop, self.dev = loop, transport.devices[local_dev]
+                 remote_dev: str, ctl_host: str, ctl_port: int, token: str, desc: SegmentDescriptor,
+                 user_timeout_ms: int, connect_timeout_s: float,
+                 on_fail: Callable[[Endpoint, str, bool], None] | None = None) -> None:
+        super().__init__(loop, token, user_timeout_ms, connect_timeout_s, on_fail)
+        self.dev = transport.devices[local_dev]
         self.remote_dev, self.ctl_host, self.ctl_port = remote_dev, ctl_host, ctl_port
-        self.token, self.desc = token, desc
-        self.user_timeout_ms, self.connect_timeout_s = user_timeout_ms, connect_timeout_s
-        self.on_fail = on_fail
-        self.rkeys = {r["id"]: r["rdma"][remote_dev] for r in desc["regions"] if "rdma" in r}
+        self.desc = desc
+        self.rkeys = {r.id: r.rdma[remote_dev] for r in desc.regions if r.rdma is not None}
         self.qp = None
         self.ctl: socket.socket | None = None
-        self.pending: dict[int, tuple[asyncio.Future, int]] = {}
-        self.pending_bytes = 0
-        self.last_progress = time.monotonic()
-        self.failed: str | None = None
-        self.retired = False
-        self._seq = 0
 
     def _connect_blocking(self) -> None:
         qp, psn, info = self.dev.create_qp()
@@ -281,8 +277,8 @@ class RdmaEndpoint:
             sock.settimeout(self.connect_timeout_s)
             sock.connect((self.ctl_host, self.ctl_port))
             key, name = frames.client_handshake(sock, self.token)
-            if name != self.desc["name"]:
-                raise EndpointError(f"control channel serves {name!r}, not {self.desc['name']!r}")
+            if name != self.desc.name:
+                raise EndpointError(f"control channel serves {name!r}, not {self.desc.name!r}")
             body = json.dumps({"dev": self.remote_dev, "info": info}).encode()
             sock.sendall(frames.pack_header(key, frames.OP_QP_CONNECT, 0, 0, len(body), 1) + body)
             op, status, _, _, length, seq = frames.unpack_header(key, frames.recv_bytes(sock, frames.HEADER_SIZE))
@@ -299,7 +295,7 @@ class RdmaEndpoint:
 
     async def connect(self) -> None:
         try:
-            await asyncio.wait_for(asyncio.to_thread(self._connect_blocking), self.connect_timeout_s + 1)
+            await self._connect_in_thread()
         except (OSError, frames.FrameError, asyncio.TimeoutError, ValueError) as e:
             raise EndpointError(f"rdma connect {self.dev.name}->{self.remote_dev}: {e or type(e).__name__}") from e
         except Exception as e:  # PyverbsRDMAError from QP transitions
@@ -314,67 +310,29 @@ class RdmaEndpoint:
             pass
         finally:
             self.ctl.close()  # only this thread closes the fd (see tcp.py)
-        try:
-            self.loop.call_soon_threadsafe(self.abort, "control channel closed")
-        except RuntimeError:
-            pass
+        self._fail_from_thread("control channel closed")
 
     def post(self, op: TransferOp, rid: int, offset: int, view: memoryview, local_region: int = 0,
              local_offset: int = 0) -> asyncio.Future:
-        fut = self.loop.create_future()
-        if self.failed is not None:
-            fut.set_exception(EndpointError(self.failed))
+        fut = self._new_future()
+        if fut.done():
             return fut
         rk = self.rkeys.get(rid)
         if rk is None:
             fut.set_exception(EndpointError(f"region {rid} has no MR on {self.remote_dev}"))
             return fut
-        self._seq += 1
-        if not self.pending:
-            self.last_progress = time.monotonic()
-        self.pending[self._seq] = (fut, len(view))
-        self.pending_bytes += len(view)
+        seq = self._track(Posted(fut, len(view)))
         try:
-            self.dev.post(self, self._seq, op, local_region, local_offset, len(view), rk["rkey"], rk["addr"] + offset)
+            self.dev.post(self, seq, op, local_region, local_offset, len(view), rk.rkey, rk.addr + offset)
         except Exception as e:
             self.abort(f"post_send: {e}")
         return fut
 
     def complete(self, seq: int) -> None:
-        item = self.pending.pop(seq, None)
-        if item is None:
-            return
-        fut, n = item
-        self.pending_bytes -= n
-        self.last_progress = time.monotonic()
-        if not fut.done():
-            fut.set_result(None)
-        if self.retired and not self.pending:
-            self.close()
-
-    def abort(self, reason: str, penalize: bool = True) -> None:
-        if self.failed is not None:
-            return
-        self.failed = reason
-        penalize = penalize and bool(self.pending)
-        pending, self.pending = self.pending, {}
-        self.pending_bytes = 0
-        for fut, _ in pending.values():
-            if not fut.done():
-                fut.set_exception(EndpointError(reason))
-        self._teardown()
-        if self.on_fail is not None:
-            self.on_fail(self, reason, penalize)
-
-    def retire(self) -> None:
-        self.retired = True
-        if not self.pending:
-            self.close()
-
-    def close(self) -> None:
-        if self.failed is None:
-            self.failed = "closed"
-            self._teardown()
+        """A work completion for ``seq`` (from the device's CQ drain)."""
+        if seq in self.pending:
+            self.last_progress = time.monotonic()
+        self._complete(seq)
 
     def _teardown(self) -> None:
         if self.ctl is not None:

@@ -1,0 +1,49 @@
+"""Segment directory: remote segments' descriptors by name, added directly or fetched through a resolver."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from .descriptors import SegmentDescriptor
+
+# Looks a segment up by name (the node asks the conductor); None = unknown.
+# It may answer with the wire dict or an already decoded descriptor.
+Resolver = Callable[[str], Awaitable[dict | SegmentDescriptor | None]]
+
+
+def decode(desc: dict | SegmentDescriptor) -> SegmentDescriptor:
+    return desc if isinstance(desc, SegmentDescriptor) else SegmentDescriptor.from_wire(desc)
+
+
+class SegmentDirectory:
+    """Descriptors are cached under the name they carry; a descriptor that
+    came from the resolver may go stale (the peer restarted elsewhere), so
+    ``invalidate`` drops it and the next request asks again."""
+
+    def __init__(self) -> None:
+        self._known: dict[str, SegmentDescriptor] = {}
+        self._resolver: Resolver | None = None
+
+    def add(self, desc: dict | SegmentDescriptor) -> SegmentDescriptor:
+        """Record ``desc``; raises ValueError naming the field it gets wrong."""
+        seg = decode(desc)
+        self._known[seg.name] = seg
+        return seg
+
+    def set_resolver(self, resolver: Resolver | None) -> None:
+        self._resolver = resolver
+
+    async def resolve(self, name: str) -> SegmentDescriptor | None:
+        """The cached descriptor, else the resolver's answer (cached); None if unknown."""
+        seg = self._known.get(name)
+        if seg is None and self._resolver is not None:
+            found = await self._resolver(name)
+            if found is not None:
+                seg = self.add(found)
+        return seg
+
+    def invalidate(self, name: str) -> None:
+        """Forget ``name`` after a failed connect, when a resolver can refresh it
+        (without one, a dropped descriptor could never come back)."""
+        if self._resolver is not None:
+            self._known.pop(name, None)

@@ -1,0 +1,155 @@
+"""Running one transfer request: check the target, cut it into slices, post each with retries across paths."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from . import slices as slicing
+from .config import TransferConfig
+from .connections import Connections
+from .descriptors import SegmentDescriptor
+from .directory import SegmentDirectory
+from .endpoint import Endpoint, EndpointError
+from .local_segment import LocalSegment
+from .slices import Path
+from .topology import Topology
+from .types import Region, TransferRequest, TransferState, TransferStatus
+
+
+class RequestFailed(Exception):
+    """The request cannot complete; the message becomes its ``reason``."""
+
+
+@dataclass
+class RequestState:
+    request: TransferRequest
+    state: TransferState = TransferState.WAITING
+    reason: str = ""
+    transferred: int = 0
+    task: asyncio.Task | None = None
+
+    def status(self) -> TransferStatus:
+        return TransferStatus(self.state, self.reason, self.transferred)
+
+
+class RequestRunner:
+    """Drives requests to an end state and counts what moved where.
+
+    A request is COMPLETED when all its slices are; FAILED when a slice runs
+    out of retries (``max_retries`` re-posts, each on another path when one
+    is usable); TIMEOUT when ``request_timeout_s`` passes first.
+    """
+
+    def __init__(self, config: TransferConfig, local: LocalSegment, directory: SegmentDirectory,
+                 connections: Connections) -> None:
+        self.config = config
+        self.local = local
+        self.directory = directory
+        self.connections = connections
+        self.slice_bytes = 0
+        self.nic_bytes: dict[str, int] = {n: 0 for n in config.nics}
+        self.path_bytes: dict[str, int] = {}  # "local nic->remote nic" -> bytes
+        self.retries = 0
+
+    def start(self) -> None:
+        """Size slices and name NICs for the transport the local segment chose."""
+        self.slice_bytes = self.config.effective_slice_bytes(self.local.transport)
+        self.nic_bytes = {n: 0 for n in self.local.nic_names}
+
+    async def run(self, st: RequestState) -> None:
+        req = st.request
+        try:
+            async with asyncio.timeout(self.config.request_timeout_s):
+                desc = await self.directory.resolve(req.target_segment)
+                if desc is None:
+                    raise RequestFailed(f"unknown segment {req.target_segment!r}")
+                rreg = desc.region(req.target_region)
+                if rreg is None:
+                    raise RequestFailed(f"segment {req.target_segment!r} has no region {req.target_region}")
+                if req.target_offset + req.length > rreg.length:
+                    raise RequestFailed(f"target range [{req.target_offset}, +{req.length}) exceeds region "
+                                        f"{req.target_region} of {rreg.length} bytes")
+                if req.length:
+                    local = self.local.regions.get(req.local_region)
+                    if local is None:
+                        raise RequestFailed(f"local region {req.local_region} was unregistered")
+                    primary, fallback = slicing.plan_paths(self.local.topology, local.location,
+                                                           Topology(desc.topology), rreg.location)
+                    st.state = TransferState.PENDING
+                    parts = slicing.cut(req.local_offset, req.target_offset, req.length, self.slice_bytes)
+                    try:
+                        async with asyncio.TaskGroup() as tg:
+                            for s in parts:
+                                tg.create_task(self._run_slice(st, desc, local, s, primary, fallback))
+                    except ExceptionGroup as eg:
+                        # The first failing slice cancelled its siblings; report it.
+                        first = next((e for e in eg.exceptions if isinstance(e, RequestFailed)), None)
+                        if first is None:
+                            raise
+                        raise first from None
+            st.state = TransferState.COMPLETED
+        except TimeoutError:
+            st.state = TransferState.TIMEOUT
+            st.reason = (f"not done after request_timeout_s={self.config.request_timeout_s}s "
+                         f"({st.transferred} of {req.length} bytes moved)")
+        except RequestFailed as e:
+            st.state = TransferState.FAILED
+            st.reason = str(e)
+        except asyncio.CancelledError:
+            st.state = TransferState.FAILED
+            st.reason = "cancelled"
+            raise
+
+    async def _run_slice(self, st: RequestState, desc: SegmentDescriptor, local: Region, s: slicing.Slice,
+                         primary: list[Path], fallback: list[Path]) -> None:
+        seg = desc.name
+        req = st.request
+        paths = self.connections.paths
+        view = local.view[s.local_offset:s.local_offset + s.length]
+        last, avoid = "no usable path", None
+        for attempt in range(self.config.max_retries + 1):
+            if attempt:
+                self.retries += 1
+            path = paths.choose(seg, primary, fallback, avoid)
+            if path is None:
+                # Every path is backing off: wait for the first to reopen
+                # (the request deadline still bounds the total wait).
+                delay = paths.next_usable_at(seg, primary + fallback) - time.monotonic()
+                await asyncio.sleep(max(delay, 0.005))
+                path = paths.choose(seg, primary, fallback, avoid)
+                if path is None:
+                    continue
+            probe = paths.is_probe(seg, path)
+            slots = self.connections.slots(seg, path)
+            paths.add_inflight(seg, path, s.length)
+            fut: asyncio.Future | None = None
+            ep: Endpoint | None = None
+            try:
+                async with slots:
+                    if not probe and not paths.usable(seg, path, time.monotonic()):
+                        # The path failed while we queued for it: go elsewhere.
+                        raise EndpointError(paths.health[(seg, path)].last_reason or "path backing off")
+                    ep = await self.connections.endpoint(desc, path)
+                    fut = ep.post(req.op, req.target_region, s.remote_offset, view, local.id, s.local_offset)
+                    await fut
+            except EndpointError as e:
+                last, avoid = str(e), path
+                continue
+            except asyncio.CancelledError:
+                paths.release_probe(seg, path)
+                if fut is not None and not fut.done() and ep is not None:
+                    # Never let bytes of a finished (timed-out) request land later.
+                    ep.abort("request cancelled or timed out", penalize=False)
+                raise
+            finally:
+                paths.add_inflight(seg, path, -s.length)
+            paths.success(seg, path)
+            self.nic_bytes[path[0]] = self.nic_bytes.get(path[0], 0) + s.length
+            pk = f"{path[0]}->{path[1]}"
+            self.path_bytes[pk] = self.path_bytes.get(pk, 0) + s.length
+            st.transferred += s.length
+            return
+        raise RequestFailed(f"slice at offset {s.remote_offset - req.target_offset} failed "
+                            f"{self.config.max_retries + 1} times; last error: {last}")

@@ -1,4 +1,4 @@
-"""One node's shard of the KV store: pages, key index, LRU, pins, tiers, events.
+"""One node's shard of the KV store: the page state machine, key index, LRU and pins.
 
 Every page of the shard's buffer is in exactly one state at any time:
 
@@ -17,15 +17,17 @@ before the key is published), so a cached block's bytes never change while
 it is cached.  The shard is not thread-safe: call it from one thread (the
 node's event loop); other threads may move bytes in and out of pages that
 they hold private or pinned.
+
+Beside it: ``tiering`` (moves to and from the SSD tier), ``stats`` (counters
+and :class:`StoreStats`), ``waiters`` (coroutines waiting for pages).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -36,6 +38,9 @@ from kvstore.keys import token_bytes
 from kvstore.layout import PageLayout
 from kvstore.memory import ShardMemory
 from kvstore.ssd import SsdPool
+from kvstore.stats import ShardCounters, StoreStats
+from kvstore.tiering import SsdTier
+from kvstore.waiters import SpaceWaiters
 
 _U64_MAX = (1 << 64) - 1
 
@@ -71,42 +76,6 @@ class _Block:
     replicas: int = 1
 
 
-@dataclass(frozen=True)
-class StoreStats:
-    block_size: int
-    page_bytes: int
-    num_pages: int
-    capacity_bytes: int
-    used_bytes: int          # pages holding data: cached + private
-    free_pages: int
-    private_pages: int
-    cached_blocks: int       # in DRAM
-    pinned_blocks: int
-    evictable_blocks: int
-    hits: int                # get(): blocks found
-    misses: int              # get(): blocks not found
-    query_tokens: int        # acquire_prefix(): tokens asked for
-    hit_tokens: int          # acquire_prefix(): tokens served from the cache
-    stored_blocks: int       # blocks inserted (put/publish), duplicates excluded
-    evictions: int           # blocks pushed out of DRAM by LRU (demoted or dropped)
-    removed: int             # blocks removed on request
-    collisions: int          # key matches rejected by the token guard
-    ssd_blocks: int
-    ssd_capacity_blocks: int
-    demotions: int
-    promotions: int
-    ssd_drops: int           # blocks dropped from the SSD tier (gone from the node)
-
-    @property
-    def usage_ratio(self) -> float:
-        return self.used_bytes / self.capacity_bytes
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["usage_ratio"] = self.usage_ratio
-        return d
-
-
 def _check_key(key: int) -> None:
     if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or not 0 <= key <= _U64_MAX:
         raise ValueError(f"key must be an int in 0..2**64-1; got {key!r}")
@@ -139,13 +108,14 @@ class StoreShard:
         # Keys of unpinned cached blocks, least recently used first.
         self._lru: OrderedDict[int, None] = OrderedDict()
         self.events = EventLog(config.max_pending_events)
-        self._ssd = (SsdPool(config.ssd_path, self.page_bytes, config.ssd_capacity_bytes)
+        # Shared with the SSD tier, which counts its own moves.
+        self._counters = ShardCounters()
+        # Holds only keys not in ``_blocks``: a key lives in one tier at a time.
+        self._ssd = (SsdTier(SsdPool(config.ssd_path, self.page_bytes, config.ssd_capacity_bytes),
+                             self.events, self._counters)
                      if config.ssd_tier else None)
-        self._waiters: list[asyncio.Future[None]] = []
-        self._hits = self._misses = 0
-        self._query_tokens = self._hit_tokens = 0
-        self._stored = self._evictions = self._removed = self._collisions = 0
-        self._demotions = self._promotions = self._ssd_drops = 0
+        # Woken whenever a page turns free or evictable (free, remove, last unpin).
+        self._waiters = SpaceWaiters()
         self.created_at = time.time()
 
     # ------------------------------------------------------------------ pages
@@ -176,7 +146,7 @@ class StoreShard:
             self._private.remove(p)
             self._free.append(p)
         if pages:
-            self._notify_space()
+            self._waiters.wake_all()
 
     def publish(self, key: int, page_id: int, token_ids: Sequence[int] | np.ndarray | None = None,
                 *, size: int | None = None, pin: bool = False,
@@ -262,9 +232,9 @@ class StoreShard:
         if b is None:
             b = self._promote(key)
             if b is None:
-                self._misses += 1
+                self._counters.misses += 1
                 return None
-        self._hits += 1
+        self._counters.hits += 1
         if pin:
             self._pin(b)
         else:
@@ -302,12 +272,12 @@ class StoreShard:
             del self._lru[key]
             self._unlink(b)
             self._free.append(b.page)
-            self._removed += 1
+            self._counters.removed += 1
             self.events.evicted(key)
-            self._notify_space()
+            self._waiters.wake_all()
             return True
         if self._ssd is not None and self._ssd.remove(key):
-            self._removed += 1
+            self._counters.removed += 1
             self.events.evicted(key)
             return True
         return False
@@ -397,14 +367,14 @@ class StoreShard:
                     break
             if prompt is not None and b.tokens is not None \
                     and prompt[i * stride:(i + 1) * stride] != b.tokens:
-                self._collisions += 1
+                self._counters.collisions += 1
                 break
             self._pin(b)
             pages.append(b.page)
         if count_query:
-            self._query_tokens += (len(token_ids) if token_ids is not None
-                                   else len(keys) * self.block_size)
-            self._hit_tokens += len(pages) * self.block_size
+            self._counters.query_tokens += (len(token_ids) if token_ids is not None
+                                            else len(keys) * self.block_size)
+            self._counters.hit_tokens += len(pages) * self.block_size
         return pages
 
     def release(self, keys: Sequence[int]) -> None:
@@ -446,28 +416,12 @@ class StoreShard:
             await self._wait_for(lambda: self.can_allocate(1), timeout_s, "1 page")
         return self.put(key, data, token_ids, pin=pin)
 
-    async def _wait_for(self, ready, timeout_s: float | None, what: str) -> None:
+    async def _wait_for(self, ready: Callable[[], bool], timeout_s: float | None,
+                        what: str) -> None:
         limit = self.config.max_wait_s if timeout_s is None else min(timeout_s, self.config.max_wait_s)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + limit
-        while not ready():
-            left = deadline - loop.time()
-            if left <= 0:
-                raise StoreFullError(f"no space for {what} after waiting {limit:.3g} s "
-                                     f"({self._occupancy()})")
-            fut: asyncio.Future[None] = loop.create_future()
-            self._waiters.append(fut)
-            try:
-                await asyncio.wait_for(fut, left)
-            except TimeoutError:
-                pass
-
-    def _notify_space(self) -> None:
-        if self._waiters:
-            waiters, self._waiters = self._waiters, []
-            for fut in waiters:
-                if not fut.done():
-                    fut.set_result(None)
+        if not await self._waiters.wait(ready, limit):
+            raise StoreFullError(f"no space for {what} after waiting {limit:.3g} s "
+                                 f"({self._occupancy()})")
 
     # ------------------------------------------------------- events and stats
 
@@ -494,12 +448,9 @@ class StoreShard:
             capacity_bytes=self.num_pages * self.page_bytes, used_bytes=used_pages * self.page_bytes,
             free_pages=len(self._free), private_pages=len(self._private),
             cached_blocks=len(self._blocks), pinned_blocks=pinned, evictable_blocks=len(self._lru),
-            hits=self._hits, misses=self._misses, query_tokens=self._query_tokens,
-            hit_tokens=self._hit_tokens, stored_blocks=self._stored, evictions=self._evictions,
-            removed=self._removed, collisions=self._collisions,
             ssd_blocks=len(ssd) if ssd is not None else 0,
             ssd_capacity_blocks=ssd.num_slots if ssd is not None else 0,
-            demotions=self._demotions, promotions=self._promotions, ssd_drops=self._ssd_drops)
+            **self._counters.as_dict())
 
     def check_integrity(self) -> None:
         """Assert the invariants of the module docstring (used by the tests)."""
@@ -521,13 +472,10 @@ class StoreShard:
             assert (key in self._lru) == (b.pins == 0), f"block {key:#x}: LRU membership != unpinned"
         assert len(self._lru) == sum(1 for b in self._blocks.values() if b.pins == 0)
         if self._ssd is not None:
-            self._ssd.check_integrity()
-            assert not set(self._ssd.keys()) & set(self._blocks), "a key is in both tiers"
+            self._ssd.check_integrity(self._blocks)
 
     def close(self) -> None:
-        for fut in self._waiters:
-            fut.cancel()
-        self._waiters = []
+        self._waiters.cancel_all()
         if self._ssd is not None:
             self._ssd.close()
         self.memory.close()
@@ -551,45 +499,33 @@ class StoreShard:
         key, _ = self._lru.popitem(last=False)
         b = self._blocks[key]
         self._unlink(b)
-        self._evictions += 1
-        if self._ssd is not None:
-            stored, dropped = self._ssd.put(key, self.memory.page_view(b.page, b.size), b.tokens,
-                                            b.replicas)
-            if stored:
-                self._demotions += 1
-            else:  # no SSD slot or a failed write: the block leaves the node
-                dropped.append(key)
-            for k in dropped:
-                self._ssd_drops += 1
-                self.events.evicted(k)
+        self._counters.evictions += 1
+        if self._ssd is not None:  # the key stays on the node unless the tier drops it
+            self._ssd.demote(key, self.memory.page_view(b.page, b.size), b.tokens, b.replicas)
         else:
             self.events.evicted(key)
         self._free.append(b.page)
 
     def _promote(self, key: int) -> _Block | None:
         """Bring a block back from SSD into a fresh page; None if not on SSD or
-        no page can be had (the SSD copy is then kept)."""
+        no page can be had (the SSD copy is then kept).  The promoted block is
+        unpinned and most recently used."""
         ssd = self._ssd
         if ssd is None:
             return None
-        entry = ssd.take(key)
+        entry = ssd.reserve(key)
         if entry is None:
             return None
         try:
-            (page,) = self._take_pages(1)
+            (page,) = self._take_pages(1)  # may demote other blocks; the reserved slot is safe
         except StoreFullError:
-            ssd.untake(key, entry)
+            ssd.unreserve(key, entry)
             return None
         try:
-            ssd.read_into(entry, self.memory.page_view(page))
+            ssd.read_back(key, entry, self.memory.page_view(page))
         except OSError:
-            self._free.append(page)
-            ssd.release_slot(entry.slot)
-            self._ssd_drops += 1
-            self.events.evicted(key)
+            self._free.append(page)  # the page never held the block
             raise
-        ssd.release_slot(entry.slot)
-        self._promotions += 1
         b = _Block(key, page, entry.size, entry.tokens, 0, entry.replicas)
         self._blocks[key] = b
         self._page_block[page] = b
@@ -601,7 +537,7 @@ class StoreShard:
         entry = self._ssd.peek(key) if self._ssd is not None else None
         if entry is not None and tokens is not None and entry.tokens is not None \
                 and tokens != entry.tokens:
-            self._collisions += 1
+            self._counters.collisions += 1
             raise KeyCollisionError(f"key {key:#x} is cached (on SSD) for different tokens")
 
     def _drop_ssd_copy(self, key: int, tokens: bytes | None) -> None:
@@ -616,7 +552,7 @@ class StoreShard:
         self._page_block[page] = b
         if not pin:
             self._lru[key] = None
-        self._stored += 1
+        self._counters.stored_blocks += 1
         self.events.stored(key)
 
     def _unlink(self, b: _Block) -> None:
@@ -638,7 +574,7 @@ class StoreShard:
         b.pins -= 1
         if b.pins == 0:
             self._lru[b.key] = None  # most recently used
-            self._notify_space()
+            self._waiters.wake_all()
 
     def _pinned_block(self, key: int) -> _Block:
         b = self._blocks.get(key)
@@ -660,7 +596,7 @@ class StoreShard:
         if b.tokens is None:
             b.tokens = tokens  # first caller to know the tokens arms the guard
         elif b.tokens != tokens:
-            self._collisions += 1
+            self._counters.collisions += 1
             raise KeyCollisionError(f"key {b.key:#x} is cached for different tokens")
 
     def _block_tokens(self, token_ids: Sequence[int] | np.ndarray | None) -> bytes | None:

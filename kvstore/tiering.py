@@ -1,0 +1,98 @@
+"""Moves between the shard's DRAM pages and its SSD tier, with their counters and events.
+
+The shard owns pages, :class:`SsdTier` owns SSD slots.  A demotion hands the
+tier the bytes of a block the shard has just evicted; a promotion is split
+between them: the tier reserves the block's slot (:meth:`SsdTier.reserve`),
+the shard finds a page for it, the tier reads it back
+(:meth:`SsdTier.read_back`) and frees the slot.  Every key that leaves the
+node here (an SSD drop, a failed write or read) is reported as evicted; a
+key that only changes tier is not, since the node still holds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvstore.events import EventLog
+from kvstore.ssd import SsdEntry, SsdPool
+from kvstore.stats import ShardCounters
+
+
+class SsdTier:
+    def __init__(self, pool: SsdPool, events: EventLog, counters: ShardCounters) -> None:
+        self.pool = pool
+        self._events = events
+        self._counters = counters
+
+    # ---------------------------------------------------------------- queries
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.pool
+
+    def __len__(self) -> int:
+        return len(self.pool)
+
+    @property
+    def num_slots(self) -> int:
+        return self.pool.num_slots
+
+    def keys(self) -> list[int]:
+        return self.pool.keys()
+
+    def peek(self, key: int) -> SsdEntry | None:
+        return self.pool.peek(key)
+
+    def set_replicas(self, key: int, n: int) -> int:
+        return self.pool.set_replicas(key, n)
+
+    def remove(self, key: int) -> bool:
+        """Forget the SSD copy of ``key``; the caller reports the event, if any."""
+        return self.pool.remove(key)
+
+    # ------------------------------------------------------------------ moves
+
+    def demote(self, key: int, data: memoryview, tokens: bytes | None, replicas: int) -> None:
+        """Write a block just evicted from DRAM; ``data`` must stay valid for
+        the call only (the shard frees its page afterwards)."""
+        stored, dropped = self.pool.put(key, data, tokens, replicas)
+        if stored:
+            self._counters.demotions += 1
+        else:  # no SSD slot or a failed write: the block leaves the node
+            dropped.append(key)
+        for k in dropped:
+            self._counters.ssd_drops += 1
+            self._events.evicted(k)
+
+    def reserve(self, key: int) -> SsdEntry | None:
+        """Start promoting ``key``: take it out of the tier's index but keep its
+        slot, so that a demotion caused by finding a page for it cannot
+        overwrite it.  None if the tier does not hold it."""
+        return self.pool.take(key)
+
+    def unreserve(self, key: int, entry: SsdEntry) -> None:
+        """Abandon a promotion (no page could be had): the SSD copy stays."""
+        self.pool.untake(key, entry)
+
+    def read_back(self, key: int, entry: SsdEntry, out: memoryview) -> None:
+        """Finish a promotion: read the block into ``out`` and free its slot.
+        On a read error the block is gone from the node (counted, reported)
+        and the OSError propagates."""
+        try:
+            self.pool.read_into(entry, out)
+        except OSError:
+            self.pool.release_slot(entry.slot)
+            self._counters.ssd_drops += 1
+            self._events.evicted(key)
+            raise
+        self.pool.release_slot(entry.slot)
+        self._counters.promotions += 1
+
+    # -------------------------------------------------------------- lifecycle
+
+    def check_integrity(self, dram_keys: Iterable[int]) -> None:
+        """Assert the pool's own invariants and that no key is in both tiers."""
+        self.pool.check_integrity()
+        assert not set(self.pool.keys()) & set(dram_keys), "a key is in both tiers"
+
+    def close(self) -> None:
+        self.pool.close()

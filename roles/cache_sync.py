@@ -1,10 +1,11 @@
 """Node side of the global cache index: ship the shard's block events.
 
-Protocol (conductor side: ``roles.conductor.cache_api``):
+Protocol (conductor side: ``roles.conductor.cluster``; messages in
+``mooncaked.node.messages``):
   * first, and whenever the conductor answers ``{"resync": true}``, POST a
-    full snapshot ``{node_id, epoch, seq, keys}`` to /internal/cache/snapshot;
-  * then POST each drained batch ``{node_id, epoch, seq, stored, evicted,
-    resync}`` to /internal/cache/events.
+    full ``CacheSnapshot`` {node_id, epoch, seq, keys} to /internal/cache/snapshot;
+  * then POST each drained batch as ``CacheEvents`` {node_id, epoch, seq,
+    stored, evicted, resync} to /internal/cache/events.
 Batches are pushed every ``interval_s`` when there are any, and at once when
 ``kick()`` is called (a prefill finished: its new blocks should be visible
 to the next scheduling decision, not a heartbeat later).
@@ -15,20 +16,19 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import aiohttp
-
 from kvstore.shard import StoreShard
+from mooncaked.node.internal_client import InternalCallError, InternalClient
+from mooncaked.node.messages import CacheEvents, CacheEventsAck, CacheSnapshot, Ok, Route
 from mooncaked.node.tasks import cancel_and_wait
 
 log = logging.getLogger("mooncaked.cache_sync")
 
 
 class CacheEventPusher:
-    def __init__(self, shard: StoreShard, http: aiohttp.ClientSession, conductor_url: str,
+    def __init__(self, shard: StoreShard, client: InternalClient, conductor_url: str,
                  node_id: str, interval_s: float = 0.1) -> None:
-        # ``http`` carries the cluster token (the worker's session), if any.
         self.shard = shard
-        self.http = http
+        self.client = client
         self.base = conductor_url.rstrip("/")
         self.node_id = node_id
         self.interval_s = interval_s
@@ -48,30 +48,26 @@ class CacheEventPusher:
         async with self._lock:
             await self._push()
 
-    async def _post(self, path: str, body: dict) -> dict:
-        async with self.http.post(self.base + path, json=body,
-                                  timeout=aiohttp.ClientTimeout(total=5)) as resp:
-            data = await resp.json(content_type=None)
-            if resp.status != 200:
-                raise aiohttp.ClientError(f"HTTP {resp.status}: {data}")
-            return data if isinstance(data, dict) else {}
-
     async def _push(self) -> None:
         if self._need_snapshot:
             snap = self.shard.snapshot()
-            await self._post("/internal/cache/snapshot", {"node_id": self.node_id, **snap.to_dict()})
+            await self.client.call(self.base + Route.CACHE_SNAPSHOT, CacheSnapshot(
+                node_id=self.node_id, epoch=snap.epoch, seq=snap.seq, keys=snap.keys),
+                Ok.from_wire, what="cache snapshot")
             self._need_snapshot = False
         batch = self.shard.drain_events()
         if batch is None:
             return
         try:
-            answer = await self._post("/internal/cache/events", {"node_id": self.node_id,
-                                                                  **batch.to_dict()})
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            answer = await self.client.call(self.base + Route.CACHE_EVENTS, CacheEvents(
+                node_id=self.node_id, epoch=batch.epoch, seq=batch.seq, stored=batch.stored,
+                evicted=batch.evicted, resync=batch.resync),
+                CacheEventsAck.from_wire, what="cache events")
+        except InternalCallError:
             # The batch is lost with the failed call: resync next time.
             self._need_snapshot = True
             raise
-        if answer.get("resync"):
+        if answer.resync:
             self._need_snapshot = True
 
     async def _loop(self) -> None:
@@ -86,7 +82,7 @@ class CacheEventPusher:
                 async with self._lock:
                     await self._push()
                 failures = 0
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except InternalCallError as exc:
                 self._need_snapshot = True
                 failures += 1
                 if failures == 1 or failures % 50 == 0:

@@ -6,8 +6,9 @@ overwritten) and answer with their page ids; the peer READs the pages
 one-sided and then releases the lease.  A lease the peer never releases
 (it died) expires after its TTL, so nothing stays pinned forever.
 
-POST /internal/store/lease    {keys: [...], ttl_s}  -> {lease_id, pages, region, segment}
-POST /internal/store/release  {lease_id}
+POST /internal/store/lease    LeaseRequest {keys: [...], ttl_s}
+                              -> LeaseGrant {lease_id, pages, region, segment}
+POST /internal/store/release  LeaseRelease {lease_id} -> Released
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from kvstore.shard import StoreShard
-from mooncaked.node.errors import ApiError, json_response, read_json
+from mooncaked.node.errors import ApiError
+from mooncaked.node.internal_client import read_message, reply
+from mooncaked.node.messages import LeaseGrant, LeaseRelease, LeaseRequest, Released, Route
 from mooncaked.node.tasks import cancel_and_wait
 
 log = logging.getLogger("mooncaked.leases")
@@ -70,23 +73,16 @@ LEASES = web.AppKey("leases", LeaseTable)
 
 def add_lease_routes(app: web.Application, worker) -> None:
     async def lease(request: web.Request) -> web.Response:
-        body = await read_json(request, 8 << 20)
-        keys = body.get("keys") if isinstance(body, dict) else None
-        if not isinstance(keys, list) or not all(isinstance(k, int) for k in keys):
-            raise ApiError(400, "keys must be a list of integer block keys")
-        ttl = float(body.get("ttl_s", 30.0))
-        if not 0 < ttl <= MAX_TTL_S:
-            raise ApiError(400, f"ttl_s must be in (0, {MAX_TTL_S}]")
-        lease_id, pages = request.app[LEASES].grant(keys, ttl, time.monotonic())
-        return json_response({"lease_id": lease_id, "pages": pages, "region": worker.region_id,
-                              "segment": worker.engine.name})
+        req = await read_message(request, LeaseRequest, 8 << 20)
+        if not 0 < req.ttl_s <= MAX_TTL_S:
+            raise ApiError(400, f"lease.ttl_s: must be in (0, {MAX_TTL_S}]", param="lease.ttl_s")
+        lease_id, pages = request.app[LEASES].grant(req.keys, req.ttl_s, time.monotonic())
+        return reply(LeaseGrant(lease_id=lease_id, pages=pages, region=worker.region_id,
+                                segment=worker.engine.name))
 
     async def release(request: web.Request) -> web.Response:
-        body = await read_json(request, 1 << 16)
-        lease_id = body.get("lease_id") if isinstance(body, dict) else None
-        if not isinstance(lease_id, int):
-            raise ApiError(400, "lease_id must be an integer")
-        return json_response({"released": request.app[LEASES].release(lease_id)})
+        req = await read_message(request, LeaseRelease, 1 << 16)
+        return reply(Released(released=request.app[LEASES].release(req.lease_id)))
 
     async def leases_ctx(app: web.Application):
         table = LeaseTable(worker.shard)
@@ -104,6 +100,6 @@ def add_lease_routes(app: web.Application, worker) -> None:
         await cancel_and_wait(task)
         table.release_all()
 
-    app.router.add_post("/internal/store/lease", lease)
-    app.router.add_post("/internal/store/release", release)
+    app.router.add_post(Route.LEASE, lease)
+    app.router.add_post(Route.LEASE_RELEASE, release)
     app.cleanup_ctx.append(leases_ctx)

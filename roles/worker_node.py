@@ -132,15 +132,22 @@ class WorkerNode:
         finally:
             self.shard.free(page)
 
-    async def _resolve_segment(self, name: str) -> dict:
+    async def _resolve_segment(self, name: str):  # -> messages.SegmentDescriptor
         """Peers' transfer segments come from the conductor's registry."""
+        from mooncaked.node.internal_client import InternalCallError, InternalClient
+        from mooncaked.node.messages import Route, SegmentDescriptor
+
         assert self.http is not None
-        node = self.config.node
-        async with self.http.get(f"{node.conductor_url.rstrip('/')}/internal/segments/{name}",
-                                 timeout=aiohttp.ClientTimeout(total=5)) as resp:
-            if resp.status != 200:
-                raise LookupError(f"segment {name!r} unknown to the conductor (HTTP {resp.status})")
-            return await resp.json()
+        url = self.config.node.conductor_url.rstrip("/") + Route.SEGMENT.format(name=name)
+        try:
+            # The worker's session carries the cluster token.
+            return await InternalClient(self.http).call(url, None, SegmentDescriptor.from_wire,
+                                                        what=f"looking up segment {name!r}",
+                                                        method="GET")
+        except InternalCallError as exc:
+            if exc.status is None:
+                raise  # conductor unreachable, or its answer does not decode
+            raise LookupError(f"segment {name!r} unknown to the conductor (HTTP {exc.status})") from None
 
     async def compute(self, fn: Callable[..., T], *args: Any) -> T:
         """Run model work on the compute thread."""

@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
-import aiohttp
+from mooncaked.node.internal_client import InternalCallError, InternalClient
+from mooncaked.node.messages import Deregistration, Heartbeat, NodeRegistration, Route
 from mooncaked.node.tasks import cancel_and_wait
 
 log = logging.getLogger("mooncaked.membership")
@@ -29,7 +30,7 @@ class NodeRecord:
     role: str
     url: str                      # base URL of the node's HTTP server
     capacity: dict[str, Any]      # e.g. store pages, max batch
-    transfer: dict[str, Any]      # transfer-engine segment descriptor
+    transfer: dict[str, Any]      # transfer-engine segment descriptor (wire form)
     registered_at: float
     last_seen: float
     load: dict[str, Any] = field(default_factory=dict)
@@ -62,16 +63,15 @@ class NodeRegistry:
         for listener in self._listeners:
             listener(event, record)
 
-    def register(self, info: dict[str, Any], now: float) -> NodeRecord:
-        for key in ("node_id", "role", "url"):
-            if not isinstance(info.get(key), str) or not info[key]:
-                raise ValueError(f"registration needs a non-empty string {key!r}")
-        if info["role"] not in ("prefill", "decode", "colocated"):
-            raise ValueError(f"cannot register a node of role {info['role']!r}")
+    def register(self, info: NodeRegistration | Mapping[str, Any], now: float) -> NodeRecord:
+        """(Re-)register a node.  ``info`` as it came off the wire is decoded
+        here (a bad one raises MessageError, a ValueError, and changes nothing)."""
+        if not isinstance(info, NodeRegistration):
+            info = NodeRegistration.from_wire(info)
         record = NodeRecord(
-            node_id=info["node_id"], role=info["role"], url=info["url"].rstrip("/"),
-            capacity=dict(info.get("capacity") or {}), transfer=dict(info.get("transfer") or {}),
-            registered_at=now, last_seen=now, load=dict(info.get("load") or {}))
+            node_id=info.node_id, role=info.role, url=info.url.rstrip("/"),
+            capacity=dict(info.capacity), transfer=dict(info.transfer),
+            registered_at=now, last_seen=now, load=dict(info.load))
         previous = self._nodes.get(record.node_id)
         self._nodes[record.node_id] = record
         if previous is not None and previous.alive:
@@ -134,32 +134,31 @@ class MembershipClient:
         self.load_fn = load_fn
         self.interval_s = interval_s
         self.connect_timeout_s = connect_timeout_s
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._session: aiohttp.ClientSession | None = None
+        self.token = token
+        self._client: InternalClient | None = None
         self._task: asyncio.Task | None = None
         self.registered = False
 
-    async def _post(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        assert self._session is not None
-        async with self._session.post(self.conductor_url + path, json=body,
-                                      headers=self.headers) as resp:
-            try:
-                data = await resp.json(content_type=None)
-            except ValueError:
-                data = {}
-            return resp.status, data if isinstance(data, dict) else {}
+    def _registration(self) -> NodeRegistration:
+        # Decoded here as the conductor will: a bad descriptor fails at start, named.
+        return NodeRegistration.from_wire(self.info_fn())
 
     async def _register_once(self) -> None:
-        status, data = await self._post("/internal/nodes/register", self.info_fn())
-        if status != 200:
+        assert self._client is not None
+        try:
+            await self._client.send(self.conductor_url + Route.NODE_REGISTER, self._registration(),
+                                    what="registration")
+        except InternalCallError as exc:
+            if exc.status is None:
+                raise  # unreachable: the caller retries
             raise ConductorUnreachable(
                 f"conductor at {self.conductor_url} refused registration "
-                f"(HTTP {status}: {data.get('error', {}).get('message', data)})")
+                f"(HTTP {exc.status}: {exc.detail})") from None
         self.registered = True
 
     async def start(self) -> None:
         """Register, retrying until ``connect_timeout_s``; then heartbeat in the background."""
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+        self._client = InternalClient.open(self.token)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.connect_timeout_s
         last_error: Exception | None = None
@@ -167,9 +166,7 @@ class MembershipClient:
             try:
                 await self._register_once()
                 break
-            except ConductorUnreachable:
-                raise
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except InternalCallError as exc:
                 last_error = exc
                 await asyncio.sleep(min(0.25, max(0.0, deadline - loop.time())))
         else:
@@ -179,21 +176,29 @@ class MembershipClient:
         log.info("registered with conductor %s", self.conductor_url)
         self._task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
 
+    async def _heartbeat(self, node_id: str) -> None:
+        assert self._client is not None
+        try:
+            await self._client.send(self.conductor_url + Route.NODE_HEARTBEAT,
+                                    Heartbeat(node_id=node_id, load=self.load_fn()),
+                                    what="heartbeat")
+        except InternalCallError as exc:
+            if exc.status != 404:
+                raise
+            log.warning("conductor forgot this node; registering again")
+            await self._register_once()
+
     async def _heartbeat_loop(self) -> None:
         failures = 0
-        node_id = self.info_fn()["node_id"]
+        node_id = self._registration().node_id
         while True:
             await asyncio.sleep(self.interval_s)
             try:
-                status, _ = await self._post("/internal/nodes/heartbeat",
-                                             {"node_id": node_id, "load": self.load_fn()})
-                if status == 404:
-                    log.warning("conductor forgot this node; registering again")
-                    await self._register_once()
+                await self._heartbeat(node_id)
                 if failures:
                     log.info("conductor reachable again after %d failed heartbeats", failures)
                 failures = 0
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ConductorUnreachable) as exc:
+            except (InternalCallError, ConductorUnreachable) as exc:
                 failures += 1
                 if failures == 1 or failures % 30 == 0:
                     log.warning("heartbeat to %s failed (%d in a row): %s",
@@ -201,11 +206,12 @@ class MembershipClient:
 
     async def close(self) -> None:
         await cancel_and_wait(self._task)
-        if self._session is not None:
+        if self._client is not None:
             if self.registered:
                 try:
-                    await self._post("/internal/nodes/deregister",
-                                     {"node_id": self.info_fn()["node_id"]})
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                    await self._client.send(self.conductor_url + Route.NODE_DEREGISTER,
+                                            Deregistration(node_id=self._registration().node_id),
+                                            what="deregistration", check_status=False)
+                except InternalCallError:
                     pass  # conductor gone: it will time us out
-            await self._session.close()
+            await self._client.close()

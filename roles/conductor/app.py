@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 
-import aiohttp
 from aiohttp import web
 
 from model.config import load_model_config
@@ -22,6 +21,8 @@ from kvstore.keys import block_keys
 from mooncaked.node.context import CTX
 from mooncaked.node.errors import (ApiError, StartupError, json_response, read_json,
                                    require_bearer)
+from mooncaked.node.internal_client import PREFETCH_TIMEOUT_S, InternalClient
+from mooncaked.node.messages import PrefetchReply, PrefetchRequest, Route
 from roles.conductor.cluster import CLUSTER, ClusterView, add_cache_routes
 from roles.conductor.dispatch import Dispatcher
 from roles.conductor.membership_api import setup_membership
@@ -106,10 +107,12 @@ async def cache_replicate(request: web.Request) -> web.Response:
     results = {}
     for i, target in enumerate(targets):
         source = holders[i % len(holders)]
-        answer = await dispatcher.call_node(target.url + "/internal/store/prefetch", {
-            "token_ids": ids[:len(keys) * cluster.block_size], "block_keys": keys,
-            "source_url": source.url}, f"prefetch on {target.node_id}", timeout=60)
-        results[target.node_id] = {"from": source.node_id, **answer}
+        answer = await dispatcher.call_node(
+            target.url + Route.PREFETCH,
+            PrefetchRequest(token_ids=ids[:len(keys) * cluster.block_size], block_keys=keys,
+                            source_url=source.url),
+            PrefetchReply.from_wire, f"prefetch on {target.node_id}", timeout=PREFETCH_TIMEOUT_S)
+        results[target.node_id] = {"from": source.node_id, **answer.to_wire()}
     return json_response({"holders_before": [r.node_id for r in holders], "replicated": results})
 
 
@@ -129,21 +132,19 @@ def setup_conductor(app: web.Application, ctx) -> None:
     model_name = cfg.conductor.served_model_name or cfg.model.model
 
     async def dispatcher_ctx(app: web.Application):
-        token = cfg.node.cluster_token
-        # Every call the conductor makes to a node is internal: carry the token.
-        http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
-                                     connector=aiohttp.TCPConnector(limit=0),
-                                     headers={"Authorization": f"Bearer {token}"} if token else None)
+        # Every call the conductor makes to a node is internal: the client carries
+        # the cluster token.  No connection limit: every running request holds a stream.
+        client = InternalClient.open(cfg.node.cluster_token, connections=0)
         # Decode nodes expire untouched reservations after decode.reservation_timeout_s
         # (the cluster shares one config): touch them three times per period.
-        dispatcher = Dispatcher(cluster, http, metrics, cfg.store.hash_seed,
+        dispatcher = Dispatcher(cluster, client, metrics, cfg.store.hash_seed,
                                 tokenizer.eos_token_ids,
                                 reservation_keepalive_s=cfg.decode.reservation_timeout_s / 3)
         app[DISPATCHER] = dispatcher
         app[OPENAI_BACKEND] = ClusterBackend(dispatcher, tokenizer, model_name,
                                              model_config.max_position)
         yield
-        await http.close()
+        await client.close()
 
     app.cleanup_ctx.append(dispatcher_ctx)
     c = cfg.conductor

@@ -4,10 +4,10 @@ Membership events (joined / left / dead / heartbeat) from the NodeRegistry
 and cache events from the nodes' store shards are translated into calls on
 ``roles.scheduling.Scheduler`` — the same object the simulator drives.
 
-Cache endpoints (node side: ``roles.cache_sync``):
-POST /internal/cache/snapshot  {node_id, epoch, seq, keys}
-POST /internal/cache/events    {node_id, epoch, seq, stored, evicted, resync}
-                               -> {"resync": bool}
+Cache endpoints (node side: ``roles.cache_sync``; messages: ``mooncaked.node.messages``):
+POST /internal/cache/snapshot  CacheSnapshot {node_id, epoch, seq, keys}
+POST /internal/cache/events    CacheEvents {node_id, epoch, seq, stored, evicted, resync}
+                               -> CacheEventsAck {"resync": bool}
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 from aiohttp import web
 
-from mooncaked.node.errors import ApiError, json_response, read_json
+from mooncaked.node.errors import ApiError
+from mooncaked.node.internal_client import read_message, reply
 from mooncaked.node.membership import NodeRecord, NodeRegistry
+from mooncaked.node.messages import CacheEvents, CacheEventsAck, CacheSnapshot, Ok, Route
 from roles.scheduling.estimators import (DecodeEstimator, PipelinePrefillEstimator,
                                          PolynomialPrefillEstimator, TransferEstimator)
 from roles.scheduling.scheduler import Scheduler, SchedulerConfig
@@ -150,34 +151,29 @@ class ClusterView:
             return f"cpp:{group}" if stage == 0 else None
         return node
 
-    def _live(self, node_id: Any) -> str | None:
-        record = self.registry.get(str(node_id))
+    def _live(self, node_id: str) -> str | None:
+        record = self.registry.get(node_id)
         if record is None or not record.alive:
             raise ApiError(404, f"unknown node {node_id!r}: register first")
         return self._index_name(record.node_id)
 
-    def snapshot(self, body: dict) -> None:
-        node = self._live(body.get("node_id"))
+    def snapshot(self, snap: CacheSnapshot) -> None:
+        node = self._live(snap.node_id)
         if node is None or node not in self.scheduler.prefill:
             return
-        keys = body.get("keys")
-        if not isinstance(keys, list):
-            raise ApiError(400, "keys must be a list")
-        self.epochs[node] = int(body["epoch"])
-        self.scheduler.resync(node, keys, next_seq=int(body["seq"]) + 1)
+        self.epochs[node] = snap.epoch
+        self.scheduler.resync(node, snap.keys, next_seq=snap.seq + 1)
 
-    def events(self, body: dict) -> bool:
+    def events(self, batch: CacheEvents) -> bool:
         """Apply a batch; returns True when the node must send a snapshot."""
-        node = self._live(body.get("node_id"))
+        node = self._live(batch.node_id)
         if node is None:
             return False
         if node not in self.scheduler.prefill:
             return True  # the group is not complete yet: send a snapshot later
-        if body.get("resync") or self.epochs.get(node) != body.get("epoch"):
+        if batch.resync or self.epochs.get(node) != batch.epoch:
             return True
-        ok = self.scheduler.on_events(node, int(body["seq"]), body.get("stored") or [],
-                                      body.get("evicted") or [])
-        return not ok
+        return not self.scheduler.on_events(node, batch.seq, batch.stored, batch.evicted)
 
     def status(self) -> dict:
         sched = self.scheduler
@@ -206,13 +202,13 @@ CLUSTER = web.AppKey("cluster", ClusterView)
 
 def add_cache_routes(app: web.Application) -> None:
     async def snapshot(request: web.Request) -> web.Response:
-        body = await read_json(request, 256 << 20)
-        request.app[CLUSTER].snapshot(body)
-        return json_response({"ok": True})
+        snap = await read_message(request, CacheSnapshot, 256 << 20)
+        request.app[CLUSTER].snapshot(snap)
+        return reply(Ok())
 
     async def events(request: web.Request) -> web.Response:
-        body = await read_json(request, 256 << 20)
-        return json_response({"resync": request.app[CLUSTER].events(body)})
+        batch = await read_message(request, CacheEvents, 256 << 20)
+        return reply(CacheEventsAck(resync=request.app[CLUSTER].events(batch)))
 
-    app.router.add_post("/internal/cache/snapshot", snapshot)
-    app.router.add_post("/internal/cache/events", events)
+    app.router.add_post(Route.CACHE_SNAPSHOT, snapshot)
+    app.router.add_post(Route.CACHE_EVENTS, events)

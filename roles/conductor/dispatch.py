@@ -17,17 +17,20 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, AsyncIterator
-
-import aiohttp
-import orjson
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from kvstore.keys import block_keys
 from model.sampling import SamplingParams
 from mooncaked.node.errors import ApiError
+from mooncaked.node.internal_client import (CANCEL_TIMEOUT_S, CONTROL_TIMEOUT_S, RESERVE_TIMEOUT_S,
+                                            UNBOUNDED, InternalCallError, InternalClient)
+from mooncaked.node.messages import (CppPlan, DecodeStart, FetchPlan, Message, PrefillReply,
+                                     PrefillRequest, RequestRef, ReservationGrant,
+                                     ReservationRequest, Route, StreamError, decode_line)
 from mooncaked.node.tasks import cancel_and_wait
 from roles.conductor.cluster import ClusterView
 from roles.conductor.metrics import ConductorMetrics
@@ -35,6 +38,7 @@ from roles.conductor.openai_types import Scheduled, Token
 from roles.scheduling.state import Rejection, ScheduleRequest
 
 log = logging.getLogger("mooncaked.conductor.dispatch")
+T = TypeVar("T")
 
 
 @dataclass
@@ -77,11 +81,11 @@ class RequestTrace:
 
 
 class Dispatcher:
-    def __init__(self, cluster: ClusterView, http: aiohttp.ClientSession, metrics: ConductorMetrics,
+    def __init__(self, cluster: ClusterView, client: InternalClient, metrics: ConductorMetrics,
                  hash_seed: int, eos_ids: list[int],
                  keep_traces: int = 256, reservation_keepalive_s: float = 20.0) -> None:
         self.cluster = cluster
-        self.http = http
+        self.client = client
         self.metrics = metrics
         self.hash_seed = hash_seed
         self.eos_ids = frozenset(eos_ids)
@@ -94,19 +98,14 @@ class Dispatcher:
         while len(self.traces) > self.keep_traces:
             self.traces.popitem(last=False)
 
-    async def call_node(self, url: str, body: dict, what: str, timeout: float | None = None) -> dict:
+    async def call_node(self, url: str, message: Message, decode: Callable[[Any], T], what: str,
+                        timeout: float | None = UNBOUNDED) -> T:
+        """A call whose failure fails the client's request: 503 when the node
+        was busy, else 502."""
         try:
-            async with self.http.post(url, data=orjson.dumps(body),
-                                      headers={"Content-Type": "application/json"},
-                                      timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-                data = await resp.json(content_type=None)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            raise ApiError(502, f"{what} failed: {type(exc).__name__}: {exc}") from None
-        if resp.status != 200:
-            message = data.get("error", {}).get("message", data) if isinstance(data, dict) else data
-            status = 503 if resp.status in (503, 429) else 502
-            raise ApiError(status, f"{what} failed (HTTP {resp.status}): {message}")
-        return data
+            return await self.client.call(url, message, decode, what=what, timeout=timeout)
+        except InternalCallError as exc:
+            raise exc.to_api_error() from None
 
     async def _keep_reserved(self, decode_url: str, request_id: str) -> None:
         """While the prefill is queued or running, keep the decode node's
@@ -114,19 +113,18 @@ class Dispatcher:
         while True:
             await asyncio.sleep(self.reservation_keepalive_s)
             try:
-                async with self.http.post(decode_url + "/internal/decode/touch",
-                                          json={"request_id": request_id},
-                                          timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                    await resp.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                # Only an unreachable node is worth a warning: the answer is not looked at.
+                await self.client.send(decode_url + Route.DECODE_TOUCH, RequestRef(request_id),
+                                       what="touching the decode reservation",
+                                       timeout=CONTROL_TIMEOUT_S, check_status=False)
+            except InternalCallError as exc:
                 log.warning("%s: keeping the decode reservation alive failed: %s", request_id, exc)
 
     async def _cancel(self, url: str, request_id: str) -> None:
         try:
-            async with self.http.post(url, json={"request_id": request_id},
-                                      timeout=aiohttp.ClientTimeout(total=3)) as resp:
-                await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            await self.client.send(url, RequestRef(request_id), what="cancel",
+                                   timeout=CANCEL_TIMEOUT_S, check_status=False)
+        except InternalCallError:
             pass  # node gone: its own timeouts free what it held
 
     async def generate(self, request_id: str, token_ids: list[int],
@@ -173,9 +171,11 @@ class Dispatcher:
                 raise ApiError(503, "the chosen node just left the cluster; retry",
                                headers={"Retry-After": "1"})
             t = time.perf_counter()
-            reservation = await self.call_node(decode.url + "/internal/decode/reserve", {
-                "request_id": request_id, "total_tokens": len(token_ids) + sampling.max_tokens},
-                "reserving KV pages on the decode node", timeout=10)
+            reservation = await self.call_node(
+                decode.url + Route.DECODE_RESERVE,
+                ReservationRequest(request_id, total_tokens=len(token_ids) + sampling.max_tokens),
+                ReservationGrant.from_wire, "reserving KV pages on the decode node",
+                timeout=RESERVE_TIMEOUT_S)
             reserved = True
             trace.reserve_s = time.perf_counter() - t
             yield Scheduled({
@@ -186,35 +186,32 @@ class Dispatcher:
                 "transfer": trace.transfer_planned_from,
                 "predicted_ttft_ms": round(decision.predicted_ttft_s * 1000, 2),
                 "predicted_tbt_ms": round(decision.predicted_tbt_s * 1000, 2)})
-            body = {"request_id": request_id, "token_ids": token_ids, "block_keys": keys,
-                    "sampling": _sampling_json(sampling),
-                    "decode": {"segment": reservation["segment"], "region": reservation["region"],
-                               "pages": reservation["pages"]}}
-            if source is not None:
-                body["fetch"] = {"source_url": source.url, "to_block": decision.transfer.to_block}
-            if stage_urls:
-                body["cpp"] = {"stage_urls": stage_urls}
+            spec = PrefillRequest(
+                request_id, token_ids, keys, decode=reservation, sampling=sampling,
+                fetch=None if source is None else FetchPlan(source.url, decision.transfer.to_block),
+                cpp=CppPlan(stage_urls) if stage_urls else None)
             # No on_prefill_started here: the request may still wait in the
             # node's queue, and counting its estimate down from now would make
             # a busy node look idle.  Its whole estimate stays booked until the
             # prefill finishes (or the node's heartbeat reports its real queue).
             keepalive = asyncio.ensure_future(self._keep_reserved(decode.url, request_id))
             try:
-                result = await self.call_node(prefill.url + "/internal/prefill", body, "prefill")
+                result = await self.call_node(prefill.url + Route.PREFILL, spec,
+                                              PrefillReply.from_wire, "prefill", timeout=UNBOUNDED)
             finally:
                 await cancel_and_wait(keepalive)
             prefill_done = True
             self._account_prefill(trace, result, decision, source)
             trace.ttft_s = time.perf_counter() - t0
             self.metrics.first_token(trace)
-            first = int(result["first_token"])
+            first = result.first_token
             finish = self._first_finish(first, sampling)
             trace.token_times.append(trace.ttft_s)
             trace.output_token_ids.append(first)
             if finish is not None:
                 # Marked before the yield: the consumer may close us right after it.
                 decode_done, trace.status = True, "ok"
-            yield Token(first, result.get("logprob"), trace.cached_tokens, finish)
+            yield Token(first, result.logprob, trace.cached_tokens, finish)
             if finish is None:
                 async for token in self._decode_stream(decode.url, request_id, len(token_ids),
                                                        first, sampling, trace, t0):
@@ -237,9 +234,9 @@ class Dispatcher:
             if not prefill_done:
                 sched.on_prefill_finished(decision.prefill_node, request_id, now, 0.0)
                 if prefill is not None and reserved:
-                    await self._cancel(prefill.url + "/internal/prefill/cancel", request_id)
+                    await self._cancel(prefill.url + Route.PREFILL_CANCEL, request_id)
             if reserved and not decode_done and decode is not None:
-                await self._cancel(decode.url + "/internal/decode/cancel", request_id)
+                await self._cancel(decode.url + Route.DECODE_CANCEL, request_id)
             sched.on_decode_finished(decision.decode_node, request_id, now)
             trace.e2e_s = time.perf_counter() - t0
             trace.completion_tokens = len(trace.token_times)
@@ -259,18 +256,18 @@ class Dispatcher:
             return "length"
         return None
 
-    def _account_prefill(self, trace: RequestTrace, result: dict, decision, source) -> None:
-        timings = result.get("timings", {})
-        trace.cached_tokens = int(result.get("cached_tokens", 0))
-        trace.local_hit_tokens = int(result.get("local_hit_tokens", 0))
-        trace.fetched_tokens = int(result.get("fetched_tokens", 0))
-        trace.fetch_failed = result.get("fetch_failed", "")
+    def _account_prefill(self, trace: RequestTrace, result: PrefillReply, decision, source) -> None:
+        timings = result.timings
+        trace.cached_tokens = result.cached_tokens
+        trace.local_hit_tokens = result.local_hit_tokens
+        trace.fetched_tokens = result.fetched_tokens
+        trace.fetch_failed = result.fetch_failed
         trace.prefill_queue_s = timings.get("queue_s", 0.0)
         trace.prefix_load_s = timings.get("fetch_s", 0.0)
         trace.prefill_compute_s = timings.get("compute_s", 0.0)
         trace.kv_transfer_wait_s = timings.get("transfer_wait_s", 0.0)
         trace.first_layer_sent_s = timings.get("first_layer_sent_s", 0.0)
-        trace.cpp = result.get("cpp")
+        trace.cpp = result.cpp.to_wire() if result.cpp is not None else None
         sched = self.cluster.scheduler
         sched.on_prefill_finished(decision.prefill_node, trace.request_id, time.monotonic(),
                                   trace.prefill_compute_s)
@@ -282,34 +279,23 @@ class Dispatcher:
     async def _decode_stream(self, url: str, request_id: str, prompt_len: int, first: int,
                              sampling: SamplingParams, trace: RequestTrace,
                              t0: float) -> AsyncIterator[Token]:
-        body = {"request_id": request_id, "prompt_len": prompt_len, "first_token": first,
-                "sampling": _sampling_json(sampling)}
+        start = DecodeStart(request_id, prompt_len, first, sampling)
         t_decode = time.perf_counter()
         try:
-            async with self.http.post(url + "/internal/decode/generate", json=body,
-                                      timeout=aiohttp.ClientTimeout(total=None, sock_read=60)) as resp:
-                if resp.status != 200:
-                    data = await resp.json(content_type=None)
-                    raise ApiError(502, f"decode failed (HTTP {resp.status}): {data}")
-                async for line in resp.content:
-                    if not line.strip():
-                        continue
-                    item = orjson.loads(line)
-                    if "error" in item:
-                        raise ApiError(502, f"decode node ended the stream: {item['error']}")
+            # aclosing: leaving the loop early closes the stream (and its connection) at once.
+            async with contextlib.aclosing(self.client.stream(
+                    url + Route.DECODE_GENERATE, start, decode_line, what="decode")) as lines:
+                async for line in lines:
+                    if isinstance(line, StreamError):
+                        raise ApiError(502, f"decode node ended the stream: {line.error}")
                     trace.token_times.append(time.perf_counter() - t0)
-                    trace.output_token_ids.append(int(item["token"]))
-                    yield Token(int(item["token"]), item.get("logprob"), trace.cached_tokens,
-                                item.get("finish_reason"))
-                    if item.get("finish_reason"):
+                    trace.output_token_ids.append(line.token)
+                    yield Token(line.token, line.logprob, trace.cached_tokens, line.finish_reason)
+                    if line.finish_reason:
                         break
                 else:
                     raise ApiError(502, "decode stream ended before the request finished")
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            raise ApiError(502, f"decode node lost: {type(exc).__name__}: {exc}") from None
+        except InternalCallError as exc:
+            raise exc.to_api_error() from None
         finally:
             trace.decode_s = time.perf_counter() - t_decode
-
-
-def _sampling_json(sampling: SamplingParams) -> dict[str, Any]:
-    return asdict(sampling)

@@ -1,9 +1,12 @@
-"""Internal endpoints through which prefill/decode nodes join the cluster.
+"""Internal endpoints through which prefill/decode nodes join the cluster
+(messages: mooncaked.node.messages; the cluster token, if any, was checked by
+internal_auth_middleware).
 
-POST /internal/nodes/register    {node_id, role, url, capacity, transfer, load}
-POST /internal/nodes/heartbeat   {node_id, load}      -> 404 if unknown: re-register
-POST /internal/nodes/deregister  {node_id}
-GET  /internal/segments/{name}   transfer-engine segment descriptor of a node
+POST /internal/nodes/register    NodeRegistration {node_id, role, url, capacity, transfer, load}
+                                 -> RegistrationAck
+POST /internal/nodes/heartbeat   Heartbeat {node_id, load}   -> 404 if unknown: re-register
+POST /internal/nodes/deregister  Deregistration {node_id}
+GET  /internal/segments/{name}   the transfer-engine segment descriptor a node registered
 """
 
 from __future__ import annotations
@@ -11,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
 from aiohttp import web
 
 from mooncaked.node.context import CTX
-from mooncaked.node.errors import ApiError, json_response, read_json
+from mooncaked.node.errors import ApiError, json_response
+from mooncaked.node.internal_client import read_message, reply
+from mooncaked.node.messages import (Deregistration, Heartbeat, NodeRegistration, Ok,
+                                     RegistrationAck, Route)
 from mooncaked.node.membership import NodeRegistry
 from mooncaked.node.tasks import cancel_and_wait
 
@@ -24,39 +29,27 @@ log = logging.getLogger("mooncaked.conductor.membership")
 REGISTRY = web.AppKey("registry", NodeRegistry)
 
 
-async def _body(request: web.Request) -> dict[str, Any]:
-    # The cluster token (if any) was checked by internal_auth_middleware.
-    data = await read_json(request, 1 << 20)
-    if not isinstance(data, dict):
-        raise ApiError(400, "expected a JSON object")
-    return data
-
-
 async def register(request: web.Request) -> web.Response:
-    data = await _body(request)
-    try:
-        record = request.app[REGISTRY].register(data, time.monotonic())
-    except ValueError as exc:
-        raise ApiError(400, str(exc)) from None
+    info = await read_message(request, NodeRegistration, 1 << 20)
+    record = request.app[REGISTRY].register(info, time.monotonic())
     log.info("node joined: %s (%s) at %s", record.node_id, record.role, record.url)
     ctx = request.app[CTX]
-    return json_response({"node_id": record.node_id,
-                          "heartbeat_interval_s": ctx.config.node.heartbeat_interval_s})
+    return reply(RegistrationAck(node_id=record.node_id,
+                                 heartbeat_interval_s=ctx.config.node.heartbeat_interval_s))
 
 
 async def heartbeat(request: web.Request) -> web.Response:
-    data = await _body(request)
-    load = data.get("load") if isinstance(data.get("load"), dict) else {}
-    if not request.app[REGISTRY].heartbeat(str(data.get("node_id")), load, time.monotonic()):
-        raise ApiError(404, f"unknown node {data.get('node_id')!r}: register first")
-    return json_response({"ok": True})
+    beat = await read_message(request, Heartbeat, 1 << 20)
+    if not request.app[REGISTRY].heartbeat(beat.node_id, beat.load, time.monotonic()):
+        raise ApiError(404, f"unknown node {beat.node_id!r}: register first")
+    return reply(Ok())
 
 
 async def deregister(request: web.Request) -> web.Response:
-    data = await _body(request)
-    if request.app[REGISTRY].deregister(str(data.get("node_id"))):
-        log.info("node left: %s", data.get("node_id"))
-    return json_response({"ok": True})
+    bye = await read_message(request, Deregistration, 1 << 20)
+    if request.app[REGISTRY].deregister(bye.node_id):
+        log.info("node left: %s", bye.node_id)
+    return reply(Ok())
 
 
 async def segment(request: web.Request) -> web.Response:
@@ -86,9 +79,9 @@ async def _sweeper(app: web.Application):
 def setup_membership(app: web.Application, timeout_s: float) -> NodeRegistry:
     registry = NodeRegistry(timeout_s)
     app[REGISTRY] = registry
-    app.router.add_post("/internal/nodes/register", register)
-    app.router.add_post("/internal/nodes/heartbeat", heartbeat)
-    app.router.add_post("/internal/nodes/deregister", deregister)
-    app.router.add_get("/internal/segments/{name}", segment)
+    app.router.add_post(Route.NODE_REGISTER, register)
+    app.router.add_post(Route.NODE_HEARTBEAT, heartbeat)
+    app.router.add_post(Route.NODE_DEREGISTER, deregister)
+    app.router.add_get(Route.SEGMENT, segment)
     app.cleanup_ctx.append(_sweeper)
     return registry

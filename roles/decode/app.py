@@ -1,11 +1,12 @@
-"""Decode node wiring and its internal endpoints.
+"""Decode node wiring and its internal endpoints (messages: mooncaked.node.messages).
 
-POST /internal/decode/reserve   {request_id, total_tokens}
-                                -> {pages, segment, region}   (503 when out of pages)
-POST /internal/decode/generate  {request_id, prompt_len, first_token, sampling}
-                                -> NDJSON stream: {"token", "logprob", "finish_reason"} per line
-POST /internal/decode/touch     {request_id}     keep a reservation alive while its prefill runs
-POST /internal/decode/cancel    {request_id}
+POST /internal/decode/reserve   ReservationRequest {request_id, total_tokens}
+                                -> ReservationGrant {pages, segment, region}  (503 when out of pages)
+POST /internal/decode/generate  DecodeStart {request_id, prompt_len, first_token, sampling}
+                                -> NDJSON stream: a TokenLine {"token", "logprob",
+                                   "finish_reason"} per line, or a last StreamError {"error"}
+POST /internal/decode/touch     RequestRef: keep a reservation alive while its prefill runs
+POST /internal/decode/cancel    RequestRef -> Cancelled
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ import orjson
 from aiohttp import web
 
 from kvstore.shard import StoreFullError
-from model.sampling import SamplingParams
 from model.tokenizer import load_tokenizer
-from mooncaked.node.errors import ApiError, json_response, read_json
+from mooncaked.node.errors import ApiError, read_json
+from mooncaked.node.internal_client import bad_message, read_message, reply
+from mooncaked.node.messages import (Cancelled, DecodeStart, MessageError, Ok, RequestRef,
+                                     ReservationGrant, ReservationRequest, Route, StreamError,
+                                     TokenLine)
 from roles.decode.batcher import DecodeBatcher
 from roles.worker import add_membership
 from roles.worker_node import WORKER, add_worker_resources
@@ -28,40 +32,34 @@ log = logging.getLogger("mooncaked.decode")
 BATCHER = web.AppKey("batcher", DecodeBatcher)
 
 
-async def _object(request: web.Request) -> dict:
-    body = await read_json(request, 1 << 20)
-    if not isinstance(body, dict) or not isinstance(body.get("request_id"), str):
-        raise ApiError(400, "expected a JSON object with a string request_id")
-    return body
-
-
 async def reserve(request: web.Request) -> web.Response:
-    body = await _object(request)
-    total = body.get("total_tokens")
-    if not isinstance(total, int) or total <= 0:
-        raise ApiError(400, "total_tokens must be a positive integer")
+    req = await read_message(request, ReservationRequest, 1 << 20)
     worker = request.app[WORKER]
     try:
-        pages = request.app[BATCHER].reserve(body["request_id"], total)
+        pages = request.app[BATCHER].reserve(req.request_id, req.total_tokens)
     except StoreFullError as exc:
         raise ApiError(503, f"decode node out of KV pages: {exc}") from None
     except ValueError as exc:
         raise ApiError(409, str(exc)) from None
-    return json_response({"pages": pages, "segment": worker.engine.name, "region": worker.region_id})
+    return reply(ReservationGrant(pages=pages, segment=worker.engine.name, region=worker.region_id))
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    body = await _object(request)
+    body = await read_json(request, 1 << 20)
     batcher = request.app[BATCHER]
-    request_id = body["request_id"]
     try:
-        sampling = SamplingParams(**(body.get("sampling") or {}))
-        queue = batcher.start(request_id, int(body["prompt_len"]), int(body["first_token"]), sampling)
+        request_id = RequestRef.from_wire(body, "decode.generate").request_id
+    except MessageError as exc:
+        raise bad_message(exc) from None
+    try:
+        start = DecodeStart.from_wire(body)
+        queue = batcher.start(request_id, start.prompt_len, start.first_token, start.sampling)
     except KeyError as exc:
         raise ApiError(404, str(exc).strip("'\"")) from None
-    except (TypeError, ValueError) as exc:
+    except ValueError as exc:  # malformed, or more than the reservation holds: give it up
         batcher.release(request_id, "bad request")
-        raise ApiError(400, f"bad generate request: {exc}") from None
+        raise (bad_message(exc) if isinstance(exc, MessageError)
+               else ApiError(400, f"bad generate request: {exc}")) from None
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await resp.prepare(request)
     reason = "client gone"
@@ -70,11 +68,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
             item = await queue.get()
             if item is None:  # released: cancelled or expired
                 reason = "cancelled"
-                await resp.write(orjson.dumps({"error": "cancelled"}) + b"\n")
+                await resp.write(orjson.dumps(StreamError(error="cancelled").to_wire()) + b"\n")
                 break
             token, logprob, finish = item
-            await resp.write(orjson.dumps({"token": token, "logprob": logprob,
-                                           "finish_reason": finish}) + b"\n")
+            line = TokenLine(token=token, logprob=logprob, finish_reason=finish)
+            await resp.write(orjson.dumps(line.to_wire()) + b"\n")
             if finish is not None:
                 reason = finish
                 break
@@ -88,15 +86,15 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 async def touch(request: web.Request) -> web.Response:
-    body = await _object(request)
-    if not request.app[BATCHER].touch(body["request_id"]):
-        raise ApiError(404, f"no reservation for request {body['request_id']}")
-    return json_response({"ok": True})
+    ref = await read_message(request, RequestRef, 1 << 20, "decode.touch")
+    if not request.app[BATCHER].touch(ref.request_id):
+        raise ApiError(404, f"no reservation for request {ref.request_id}")
+    return reply(Ok())
 
 
 async def cancel(request: web.Request) -> web.Response:
-    body = await _object(request)
-    return json_response({"cancelled": request.app[BATCHER].release(body["request_id"], "cancelled")})
+    ref = await read_message(request, RequestRef, 1 << 20, "decode.cancel")
+    return reply(Cancelled(cancelled=request.app[BATCHER].release(ref.request_id, "cancelled")))
 
 
 def add_decode_service(app: web.Application, ctx, worker) -> None:
@@ -115,10 +113,10 @@ def add_decode_service(app: web.Application, ctx, worker) -> None:
         await batcher.close()
 
     app.cleanup_ctx.append(batcher_ctx)
-    app.router.add_post("/internal/decode/reserve", reserve)
-    app.router.add_post("/internal/decode/generate", generate)
-    app.router.add_post("/internal/decode/cancel", cancel)
-    app.router.add_post("/internal/decode/touch", touch)
+    app.router.add_post(Route.DECODE_RESERVE, reserve)
+    app.router.add_post(Route.DECODE_GENERATE, generate)
+    app.router.add_post(Route.DECODE_CANCEL, cancel)
+    app.router.add_post(Route.DECODE_TOUCH, touch)
 
 
 def setup_decode(app: web.Application, ctx) -> None:

@@ -1,7 +1,9 @@
-"""Prefill node wiring and its internal endpoints.
+"""Prefill node wiring and its internal endpoints (messages: mooncaked.node.messages).
 
-POST /internal/prefill          run a prefill (body: see PrefillSpec.from_json)
-POST /internal/prefill/cancel   {request_id}
+POST /internal/prefill          PrefillRequest -> PrefillReply: run a prefill
+POST /internal/prefill/cancel   RequestRef -> Cancelled
+POST /internal/store/prefetch   PrefetchRequest -> PrefetchReply: replicate a prefix here
+POST /internal/cpp/*            the pipeline stage endpoints (roles.prefill.cpp)
 plus the block leases peers use to READ our cached prefixes (store_leases).
 """
 
@@ -10,10 +12,13 @@ from __future__ import annotations
 from aiohttp import web
 
 from kvstore.shard import StoreFullError
-from mooncaked.node.errors import ApiError, json_response, read_json
+from mooncaked.node.errors import ApiError
+from mooncaked.node.internal_client import InternalClient, read_message, reply
+from mooncaked.node.messages import (Cancelled, PrefetchReply, PrefetchRequest, PrefillRequest,
+                                     RequestRef, Route)
 from roles.cache_sync import CacheEventPusher
 from roles.prefill.cpp import CppStages
-from roles.prefill.job import PrefillCancelled, PrefillSpec, prefetch
+from roles.prefill.job import PrefillCancelled, prefetch
 from roles.prefill.service import PrefillService, QueueFull
 from roles.store_leases import add_lease_routes
 from roles.worker import add_membership
@@ -27,11 +32,7 @@ CPP_STAGES = web.AppKey("cpp_stages", CppStages)
 
 async def prefill(request: web.Request) -> web.Response:
     worker = request.app[WORKER]
-    body = await read_json(request, 64 << 20)
-    try:
-        spec = PrefillSpec.from_json(body, worker.layout.block_size)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ApiError(400, f"bad prefill request: {exc}") from None
+    spec = await read_message(request, PrefillRequest, 64 << 20, block_size=worker.layout.block_size)
     try:
         result = await request.app[PREFILL].submit(spec)
     except QueueFull as exc:
@@ -46,27 +47,21 @@ async def prefill(request: web.Request) -> web.Response:
         raise ApiError(400, str(exc)) from None
     # New blocks should reach the global index before the next decision.
     await request.app[PUSHER].flush()
-    return json_response(result.to_json())
+    return reply(result)
 
 
 async def prefetch_blocks(request: web.Request) -> web.Response:
-    """POST /internal/store/prefetch {token_ids, block_keys, source_url}: replicate a prefix here."""
     worker = request.app[WORKER]
-    body = await read_json(request, 64 << 20)
-    try:
-        tokens, keys, source = body["token_ids"], body["block_keys"], str(body["source_url"])
-        if len(keys) != len(tokens) // worker.layout.block_size:
-            raise ValueError("block_keys must hold one key per full block")
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ApiError(400, f"bad prefetch request: {exc}") from None
-    held, error = await prefetch(worker, source, tokens, keys, request.app[PREFILL].fetch_timeout_s)
+    req = await read_message(request, PrefetchRequest, 64 << 20, block_size=worker.layout.block_size)
+    held, error = await prefetch(worker, req.source_url, req.token_ids, req.block_keys,
+                                 request.app[PREFILL].fetch_timeout_s)
     await request.app[PUSHER].flush()
-    return json_response({"held_tokens": held, "error": error})
+    return reply(PrefetchReply(held_tokens=held, error=error))
 
 
 async def cancel(request: web.Request) -> web.Response:
-    body = await read_json(request, 1 << 16)
-    return json_response({"cancelled": request.app[PREFILL].cancel(str(body.get("request_id")))})
+    ref = await read_message(request, RequestRef, 1 << 16, "prefill.cancel")
+    return reply(Cancelled(cancelled=request.app[PREFILL].cancel(ref.request_id)))
 
 
 def _cpp_handler(name: str):
@@ -90,7 +85,8 @@ def add_prefill_service(app: web.Application, ctx, worker) -> None:
         if worker.cpp:
             stages = CppStages(worker, cfg.model.prefill_chunk, cfg.prefill.cpp_chunk_timeout_s)
             app[CPP_STAGES] = stages
-        pusher = CacheEventPusher(worker.shard, worker.http, cfg.node.conductor_url, ctx.node_id)
+        pusher = CacheEventPusher(worker.shard, InternalClient(worker.http), cfg.node.conductor_url,
+                                  ctx.node_id)
         app[PREFILL] = svc
         app[PUSHER] = pusher
         svc.start()
@@ -105,12 +101,12 @@ def add_prefill_service(app: web.Application, ctx, worker) -> None:
 
     app.cleanup_ctx.append(service)
     add_lease_routes(app, worker)
-    app.router.add_post("/internal/prefill", prefill)
-    app.router.add_post("/internal/prefill/cancel", cancel)
-    app.router.add_post("/internal/store/prefetch", prefetch_blocks)
-    for path, name in (("prepare", "prepare"), ("start", "start"), ("chunk", "chunk"),
-                       ("abort", "abort")):
-        app.router.add_post(f"/internal/cpp/{path}", _cpp_handler(name))
+    app.router.add_post(Route.PREFILL, prefill)
+    app.router.add_post(Route.PREFILL_CANCEL, cancel)
+    app.router.add_post(Route.PREFETCH, prefetch_blocks)
+    for path, name in ((Route.CPP_PREPARE, "prepare"), (Route.CPP_START, "start"),
+                       (Route.CPP_CHUNK, "chunk"), (Route.CPP_ABORT, "abort")):
+        app.router.add_post(path, _cpp_handler(name))
 
 
 def setup_prefill(app: web.Application, ctx) -> None:

@@ -32,38 +32,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
-import aiohttp
 import torch
 from aiohttp import web
 
 from model.runner import chunk_bounds
 from model.sampling import sample
-from mooncaked.node.errors import ApiError, json_response, read_json
+from mooncaked.node.errors import ApiError
+from mooncaked.node.internal_client import (CONTROL_TIMEOUT_S, CPP_PREPARE_TIMEOUT_S, UNBOUNDED,
+                                            InternalCallError, InternalClient, read_message, reply)
+from mooncaked.node.messages import (Aborted, ActivationSlot, CppChunk, CppHop, CppPrepare,
+                                     CppPrepared, CppStageReport, CppStart, CppSummary, Message,
+                                     Ok, PrefillReply, PrefillRequest, RequestRef, Route)
 from rdma.types import TransferOp, TransferRequest
-from roles.prefill.job import PrefillCancelled, PrefillFailed, PrefillJob, PrefillResult, PrefillSpec
+from roles.prefill.job import PrefillCancelled, PrefillFailed, PrefillJob
 
 log = logging.getLogger("mooncaked.cpp")
-
-
-@dataclass(frozen=True)
-class Hop:
-    """Where the next stage receives a chunk's hidden states."""
-    url: str
-    segment: str
-    region: int
-    offset: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"url": self.url, "segment": self.segment, "region": self.region, "offset": self.offset}
+T = TypeVar("T")
 
 
 class StageRun:
     """One request on one stage of a group (the head included)."""
 
-    def __init__(self, worker, spec: PrefillSpec, chunk_size: int, timeout_s: float,
+    def __init__(self, worker, spec: PrefillRequest, chunk_size: int, timeout_s: float,
                  is_last: bool) -> None:
         if not worker.act_free:
             raise ApiError(503, "no free pipeline activation slot on this stage")
@@ -119,7 +111,7 @@ class StageRun:
                              offset=self.slot_offset(0)).clone().view(n, hidden)
         self.inbox.put_nowait((start, x))
 
-    async def _forward(self, hop: Hop, start: int, x: torch.Tensor) -> None:
+    async def _forward(self, hop: CppHop, start: int, x: torch.Tensor) -> None:
         worker = self.worker
         nbytes = x.numel() * x.element_size()
         out = torch.frombuffer(worker.act_memory, dtype=x.dtype, count=x.numel(),
@@ -128,14 +120,16 @@ class StageRun:
         await worker.engine.transfer([TransferRequest(
             TransferOp.WRITE, worker.act_region_id, self.slot_offset(1), nbytes,
             hop.segment, hop.offset, hop.region)])
-        async with worker.http.post(hop.url + "/internal/cpp/chunk", json={
-                "request_id": self.spec.request_id, "start": start, "n": x.shape[0]},
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
-            if resp.status != 200:
-                raise PrefillFailed(f"next stage refused chunk at {start}: HTTP {resp.status}")
+        try:
+            await self.job.client.send(
+                hop.url + Route.CPP_CHUNK,
+                CppChunk(request_id=self.spec.request_id, start=start, n=x.shape[0]),
+                what=f"chunk at {start} to the next stage", timeout=self.timeout_s)
+        except InternalCallError as exc:
+            raise PrefillFailed(str(exc)) from None
         self.boundary_bytes += nbytes
 
-    async def run(self, next_hop: Hop | None) -> dict[str, Any]:
+    async def run(self, next_hop: CppHop | None) -> CppStageReport:
         """Compute every chunk through this stage; returns this stage's report."""
         self.started = True
         worker, spec, job = self.worker, self.spec, self.job
@@ -146,7 +140,7 @@ class StageRun:
         new_pages = shard.allocate(-(-n // bs) - self.prefix_blocks)
         job.private_pages += new_pages
         table = job.table = self.prefix_pages + new_pages
-        job._send(table, 0, self.prefix_blocks, None)
+        job.send_blocks(table, 0, self.prefix_blocks, None)
         layer_hook = job.layer_hook(loop)
 
         def stage(inputs: Any, start: int) -> torch.Tensor:
@@ -176,18 +170,21 @@ class StageRun:
                 forwards.append(asyncio.ensure_future(self._chain(prev, next_hop, start, last_out)))
         if forwards:
             await asyncio.gather(*forwards)
-        report: dict[str, Any] = {"stage_compute_s": compute_s, "stage_s": time.perf_counter() - t0,
-                                  "boundary_bytes": self.boundary_bytes,
-                                  "layers": [worker.first_layer, worker.end_layer]}
+        stage_s = time.perf_counter() - t0
+        token = logprob = None
         if self.is_last:
             token, logprob = sample(last_out, spec.sampling, spec.sampling.make_generator())
-            report.update(first_token=token, logprob=logprob)
+        report = CppStageReport(stage_compute_s=compute_s, stage_s=stage_s,
+                                boundary_bytes=self.boundary_bytes,
+                                layers=[worker.first_layer, worker.end_layer],
+                                first_token=token, logprob=logprob)
         if job.prefix_cache:
-            job._publish_new_blocks(table, self.prefix_blocks)
+            job.publish_new_blocks(table, self.prefix_blocks)
         await asyncio.gather(*job.sends)
         return report
 
-    async def _chain(self, prev: asyncio.Task | None, hop: Hop, start: int, x: torch.Tensor) -> None:
+    async def _chain(self, prev: asyncio.Task | None, hop: CppHop, start: int,
+                     x: torch.Tensor) -> None:
         if prev is not None:
             await prev
         await self._forward(hop, start, x)
@@ -210,24 +207,18 @@ class CppStages:
         self.runs: dict[str, StageRun] = {}
 
     async def prepare(self, request: web.Request) -> web.Response:
-        body = await read_json(request, 64 << 20)
         worker = self.worker
-        try:
-            spec = PrefillSpec.from_json(body, worker.layout.block_size)
-            max_blocks = int(body["max_prefix_blocks"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ApiError(400, f"bad cpp prepare: {exc}") from None
+        spec = await read_message(request, CppPrepare, 64 << 20, block_size=worker.layout.block_size)
         if spec.request_id in self.runs:
             raise ApiError(409, f"request {spec.request_id} already prepared here")
         run = StageRun(worker, spec, self.chunk_size, self.timeout_s,
                        is_last=worker.end_layer == worker.runner.config.num_layers)
         self.runs[spec.request_id] = run
-        blocks = run.prepare(max_blocks)
+        blocks = run.prepare(spec.max_prefix_blocks)
         # A head that never calls /start (it died) must not leave pins behind.
         asyncio.get_running_loop().call_later(self.timeout_s, self._expire, spec.request_id)
-        return json_response({"prefix_blocks": blocks, "act": {
-            "segment": worker.engine.name, "region": worker.act_region_id,
-            "offset": run.slot_offset(0)}})
+        return reply(CppPrepared(prefix_blocks=blocks, act=ActivationSlot(
+            segment=worker.engine.name, region=worker.act_region_id, offset=run.slot_offset(0))))
 
     def _expire(self, request_id: str) -> None:
         run = self.runs.get(request_id)
@@ -237,14 +228,13 @@ class CppStages:
             asyncio.ensure_future(run.close())
 
     async def start(self, request: web.Request) -> web.Response:
-        body = await read_json(request, 1 << 20)
-        run = self.runs.get(str(body.get("request_id")))
+        req = await read_message(request, CppStart, 1 << 20)
+        run = self.runs.get(req.request_id)
         if run is None:
             raise ApiError(404, "no prepared cpp request with that id")
-        nxt = body.get("next")
         try:
-            run.trim(int(body["prefix_blocks"]))
-            report = await run.run(Hop(**nxt) if nxt else None)
+            run.trim(req.prefix_blocks)
+            report = await run.run(req.next)
         except PrefillCancelled as exc:
             raise ApiError(409, f"cancelled: {exc}") from None
         except (PrefillFailed, asyncio.TimeoutError) as exc:
@@ -252,31 +242,25 @@ class CppStages:
         finally:
             self.runs.pop(run.spec.request_id, None)
             await run.close()
-        return json_response(report)
+        return reply(report)
 
     async def chunk(self, request: web.Request) -> web.Response:
-        body = await read_json(request, 1 << 16)
-        run = self.runs.get(str(body.get("request_id")))
+        chunk = await read_message(request, CppChunk, 1 << 16)
+        run = self.runs.get(chunk.request_id)
         if run is None:
             raise ApiError(404, "no running cpp request with that id")
-        run.receive(int(body["start"]), int(body["n"]))
-        return json_response({"ok": True})
+        run.receive(chunk.start, chunk.n)
+        return reply(Ok())
 
     async def abort(self, request: web.Request) -> web.Response:
-        body = await read_json(request, 1 << 16)
-        run = self.runs.get(str(body.get("request_id")))
+        ref = await read_message(request, RequestRef, 1 << 16, "cpp.abort")
+        run = self.runs.get(ref.request_id)
         if run is not None:
             run.cancel()
             if not run.started:
                 self.runs.pop(run.spec.request_id, None)
                 await run.close()
-        return json_response({"aborted": run is not None})
-
-    def add_routes(self, app: web.Application) -> None:
-        app.router.add_post("/internal/cpp/prepare", self.prepare)
-        app.router.add_post("/internal/cpp/start", self.start)
-        app.router.add_post("/internal/cpp/chunk", self.chunk)
-        app.router.add_post("/internal/cpp/abort", self.abort)
+        return reply(Aborted(aborted=run is not None))
 
     async def close(self) -> None:
         for run in list(self.runs.values()):
@@ -288,10 +272,11 @@ class CppStages:
 class GroupPrefill:
     """The head's side of one CPP request (duck-types PrefillJob for the queue)."""
 
-    def __init__(self, spec: PrefillSpec, worker, stage_urls: list[str], chunk_size: int,
+    def __init__(self, spec: PrefillRequest, worker, stage_urls: list[str], chunk_size: int,
                  timeout_s: float) -> None:
         self.spec = spec
         self.worker = worker
+        self.client = InternalClient(worker.http)  # the worker's session carries the cluster token
         self.stage_urls = stage_urls
         self.chunk_size = chunk_size
         self.timeout_s = timeout_s
@@ -308,74 +293,71 @@ class GroupPrefill:
         if value and self._head is not None:
             self._head.job.cancelled = True
 
-    async def _post(self, url: str, body: dict, timeout: float | None = None) -> dict:
-        async with self.worker.http.post(url, json=body,
-                                         timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            data = await resp.json(content_type=None)
-            if resp.status != 200:
-                message = data.get("error", {}).get("message") if isinstance(data, dict) else data
-                raise PrefillFailed(f"{url}: HTTP {resp.status}: {message}")
-            return data
+    async def _call(self, url: str, message: Message, decode: Callable[[Any], T], what: str,
+                    timeout: float | None) -> T:
+        """A call to another stage; any failure is this prefill's failure."""
+        try:
+            return await self.client.call(url, message, decode, what=f"{what} on {url}",
+                                          timeout=timeout)
+        except InternalCallError as exc:
+            raise PrefillFailed(str(exc)) from None
 
-    async def run(self) -> PrefillResult:
+    async def run(self) -> PrefillReply:
         spec, worker = self.spec, self.worker
         rid = spec.request_id
         head = StageRun(worker, spec, self.chunk_size, self.timeout_s, is_last=False)
         head.job.cancelled = self._cancelled
         self._head = head
-        result = PrefillResult(first_token=-1, logprob=0.0)
+        result = PrefillReply(first_token=-1, logprob=0.0)
         t0 = time.perf_counter()
         starts: list[asyncio.Task] = []
         prepared: list[str] = []
         try:
             n0 = head.prepare(len(spec.block_keys))
-            body = {"request_id": rid, "token_ids": spec.token_ids, "block_keys": spec.block_keys,
-                    "sampling": _sampling_json(spec), "max_prefix_blocks": n0,
-                    "decode": {"segment": spec.decode_segment, "region": spec.decode_region,
-                               "pages": spec.decode_pages}}
-            preps = []
+            prepare = CppPrepare(request_id=rid, token_ids=spec.token_ids,
+                                 block_keys=spec.block_keys, sampling=spec.sampling,
+                                 decode=spec.decode, max_prefix_blocks=n0)
+            preps: list[CppPrepared] = []
             for url in self.stage_urls:
-                preps.append(await self._post(url + "/internal/cpp/prepare", body, 30))
+                preps.append(await self._call(url + Route.CPP_PREPARE, prepare, CppPrepared.from_wire,
+                                              "cpp prepare", CPP_PREPARE_TIMEOUT_S))
                 prepared.append(url)
-            final = min([n0] + [p["prefix_blocks"] for p in preps])
+            final = min([n0] + [p.prefix_blocks for p in preps])
             head.trim(final)
-            hops = [Hop(url=u, **p["act"]) for u, p in zip(self.stage_urls, preps)]
+            hops = [CppHop.at(u, p.act) for u, p in zip(self.stage_urls, preps)]
             for k, url in enumerate(self.stage_urls):
-                nxt = hops[k + 1].to_json() if k + 1 < len(hops) else None
-                starts.append(asyncio.ensure_future(self._post(
-                    url + "/internal/cpp/start", {"request_id": rid, "prefix_blocks": final,
-                                                  "next": nxt})))
+                nxt = hops[k + 1] if k + 1 < len(hops) else None
+                starts.append(asyncio.ensure_future(self._call(
+                    url + Route.CPP_START, CppStart(request_id=rid, prefix_blocks=final, next=nxt),
+                    CppStageReport.from_wire, "cpp start", UNBOUNDED)))
             t_compute = time.perf_counter()
             head_report = await head.run(hops[0])
-            reports = await asyncio.gather(*starts)
+            reports: list[CppStageReport] = await asyncio.gather(*starts)
             last = reports[-1]
-            result.first_token, result.logprob = int(last["first_token"]), float(last["logprob"])
+            if last.first_token is None:
+                raise PrefillFailed(f"the last stage ({self.stage_urls[-1]}) sent no first token")
+            result.first_token, result.logprob = last.first_token, last.logprob
             result.local_hit_tokens = final * worker.layout.block_size
             result.computed_tokens = len(spec.token_ids) - result.local_hit_tokens
             result.timings["compute_s"] = time.perf_counter() - t_compute
             if head.job.stream_log:
                 result.timings["first_layer_sent_s"] = head.job.stream_log[0][2] - t_compute
             result.timings["total_s"] = time.perf_counter() - t0
-            result.extra["cpp"] = {
-                "stages": 1 + len(self.stage_urls),
-                "boundary_bytes": head_report["boundary_bytes"] + sum(r["boundary_bytes"] for r in reports),
-                "stage_compute_s": [round(head_report["stage_compute_s"], 6)]
-                + [round(r["stage_compute_s"], 6) for r in reports]}
+            every = [head_report] + reports
+            result.cpp = CppSummary(stages=1 + len(self.stage_urls),
+                                    boundary_bytes=sum(r.boundary_bytes for r in every),
+                                    stage_compute_s=[round(r.stage_compute_s, 6) for r in every])
             return result
         except BaseException:
             for task in starts:
                 task.cancel()
             for url in prepared:
                 try:
-                    await self._post(url + "/internal/cpp/abort", {"request_id": rid}, 5)
-                except (PrefillFailed, aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                    await self.client.send(url + Route.CPP_ABORT, RequestRef(request_id=rid),
+                                           what="cpp abort", timeout=CONTROL_TIMEOUT_S)
+                except InternalCallError:
                     pass  # that stage is gone; its own timeouts release what it held
             await asyncio.gather(*starts, return_exceptions=True)
             raise
         finally:
             await head.close()
-
-
-def _sampling_json(spec: PrefillSpec) -> dict[str, Any]:
-    from dataclasses import asdict
-    return asdict(spec.sampling)

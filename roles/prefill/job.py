@@ -18,13 +18,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-
 from kvstore.shard import StoreFullError, StoreShard
-from model.sampling import SamplingParams, sample
+from model.sampling import sample
+from mooncaked.node.internal_client import UNBOUNDED, InternalCallError, InternalClient
+from mooncaked.node.messages import (FetchPlan, LeaseGrant, LeaseRelease, LeaseRequest,
+                                     PrefillReply, PrefillRequest, ReservationGrant, Route)
 from rdma.types import TransferError, TransferOp, TransferRequest
 
 log = logging.getLogger("mooncaked.prefill")
@@ -38,70 +38,20 @@ class PrefillFailed(Exception):
     pass
 
 
-@dataclass
-class PrefillSpec:
-    """What the conductor sends: the request, the reuse plan and the decode target."""
-
-    request_id: str
-    token_ids: list[int]
-    block_keys: list[int]
-    sampling: SamplingParams
-    # Planned fetch of blocks [fetch_from, fetch_to) from a peer (or None).
-    fetch_source_url: str | None
-    fetch_to_block: int
-    decode_segment: str
-    decode_region: int
-    decode_pages: list[int]
-    # CPP: URLs of the group's stages after this one (this node is the head).
-    cpp_stage_urls: list[str] = field(default_factory=list)
-
-    @classmethod
-    def from_json(cls, body: dict[str, Any], block_size: int) -> "PrefillSpec":
-        tokens = body["token_ids"]
-        keys = body["block_keys"]
-        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) for t in tokens):
-            raise ValueError("token_ids must be a non-empty list of ints")
-        if not isinstance(keys, list) or len(keys) != len(tokens) // block_size:
-            raise ValueError(f"block_keys must hold one key per full block "
-                             f"({len(tokens) // block_size}), got {len(keys) if isinstance(keys, list) else keys!r}")
-        fetch = body.get("fetch") or {}
-        decode = body["decode"]
-        pages = decode["pages"]
-        if len(pages) * block_size < len(tokens):
-            raise ValueError("decode.pages do not cover the prompt")
-        return cls(request_id=str(body["request_id"]), token_ids=tokens, block_keys=keys,
-                   sampling=SamplingParams(**(body.get("sampling") or {})),
-                   fetch_source_url=fetch.get("source_url"),
-                   fetch_to_block=int(fetch.get("to_block", 0)),
-                   decode_segment=str(decode["segment"]), decode_region=int(decode.get("region", 0)),
-                   decode_pages=[int(p) for p in pages],
-                   cpp_stage_urls=[str(u) for u in (body.get("cpp") or {}).get("stage_urls", [])])
-
-
-@dataclass
-class PrefillResult:
-    first_token: int
-    logprob: float
-    local_hit_tokens: int = 0
-    fetched_tokens: int = 0
-    computed_tokens: int = 0
-    fetch_failed: str = ""
-    timings: dict[str, float] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"first_token": self.first_token, "logprob": self.logprob,
-                "cached_tokens": self.local_hit_tokens + self.fetched_tokens,
-                "local_hit_tokens": self.local_hit_tokens, "fetched_tokens": self.fetched_tokens,
-                "computed_tokens": self.computed_tokens, "fetch_failed": self.fetch_failed,
-                "timings": {k: round(v, 6) for k, v in self.timings.items()}, **self.extra}
-
-
 class PrefillJob:
-    def __init__(self, spec: PrefillSpec, worker, chunk_size: int, fetch_timeout_s: float,
+    """One request's prefill on this node (see the module docstring).
+
+    ``run()`` is the whole job.  The prefill queue and the CPP stages drive
+    the public steps themselves: ``prepare`` (or their own prefix agreement)
+    -> compute with ``layer_hook`` -> ``finish``, with ``send_blocks`` and
+    ``publish_new_blocks`` in between; whoever starts a job calls ``cleanup``.
+    """
+
+    def __init__(self, spec: PrefillRequest, worker, chunk_size: int, fetch_timeout_s: float,
                  prefix_cache: bool = True) -> None:
         self.spec = spec
         self.worker = worker
+        self.client = InternalClient(worker.http)  # the worker's session carries the cluster token
         self.shard: StoreShard = worker.shard
         self.layout = worker.layout
         self.bs = self.layout.block_size
@@ -119,55 +69,59 @@ class PrefillJob:
         self.stream_log: list[tuple[int, int, float]] = []  # (chunk_end, layer, sent_at)
 
     # -- step 1 -------------------------------------------------------------
-    async def _load_prefix(self, result: PrefillResult) -> list[int]:
+    async def load_prefix(self, result: PrefillReply) -> list[int]:
+        """Pin the longest prefix held here, then fetch the planned extra
+        blocks from the peer (a failed fetch is recorded in ``result`` and
+        those blocks are recomputed).  Returns the prefix's pages, pinned
+        under ``pinned_keys``; counts go into ``result``."""
         spec, shard = self.spec, self.shard
         if not self.prefix_cache:
             return []
         pages = shard.acquire_prefix(spec.block_keys, spec.token_ids)
         self.pinned_keys = list(spec.block_keys[:len(pages)])
         result.local_hit_tokens = len(pages) * self.bs
-        want = min(spec.fetch_to_block, len(spec.block_keys))
-        if spec.fetch_source_url and want > len(pages):
+        fetch = spec.fetch
+        want = min(fetch.to_block, len(spec.block_keys)) if fetch is not None else 0
+        if want > len(pages):
             t0 = time.perf_counter()
             try:
-                fetched = await asyncio.wait_for(self._fetch(len(pages), want), self.fetch_timeout_s)
+                fetched = await asyncio.wait_for(self._fetch(fetch, len(pages), want),
+                                                 self.fetch_timeout_s)
                 pages += fetched
                 result.fetched_tokens = len(fetched) * self.bs
-            except (PrefillFailed, TransferError, StoreFullError, LookupError, aiohttp.ClientError,
+            except (PrefillFailed, TransferError, StoreFullError, LookupError, InternalCallError,
                     asyncio.TimeoutError, OSError) as exc:
                 result.fetch_failed = f"{type(exc).__name__}: {exc}"
                 log.warning("%s: prefix fetch from %s failed, recomputing: %s",
-                            spec.request_id, spec.fetch_source_url, result.fetch_failed)
+                            spec.request_id, fetch.source_url, result.fetch_failed)
                 self._quarantine_fetch_pages()
             result.timings["fetch_s"] = time.perf_counter() - t0
         return pages
 
-    async def _fetch(self, first: int, end: int) -> list[int]:
+    async def _fetch(self, fetch: FetchPlan, first: int, end: int) -> list[int]:
         """READ blocks [first, end) from the peer into local pages; publish them."""
         spec, shard, engine = self.spec, self.shard, self.worker.engine
-        http = self.worker.http
+        peer = fetch.source_url.rstrip("/")
         keys = spec.block_keys[first:end]
-        async with http.post(spec.fetch_source_url.rstrip("/") + "/internal/store/lease",
-                             json={"keys": keys, "ttl_s": self.fetch_timeout_s + 5}) as resp:
-            if resp.status != 200:
-                raise PrefillFailed(f"lease refused: HTTP {resp.status}")
-            lease = await resp.json()
+        # No per-call timeouts: the whole fetch runs under load_prefix's wait_for.
+        lease = await self.client.call(
+            peer + Route.LEASE, LeaseRequest(keys=keys, ttl_s=self.fetch_timeout_s + 5),
+            LeaseGrant.from_wire, what="block lease", timeout=UNBOUNDED)
         try:
-            remote_pages = lease["pages"]
-            if not remote_pages:
+            if not lease.pages:
                 raise PrefillFailed("peer no longer holds the prefix")
-            local = shard.allocate(len(remote_pages))
+            local = shard.allocate(len(lease.pages))
             self.private_pages += local
             self.fetch_pages = list(local)
             pb = self.layout.page_bytes
             await engine.transfer([
                 TransferRequest(TransferOp.READ, self.worker.region_id, self.layout.page_offset(lp), pb,
-                                lease["segment"], rp * pb, lease["region"])
-                for lp, rp in zip(local, remote_pages)])
+                                lease.segment, rp * pb, lease.region)
+                for lp, rp in zip(local, lease.pages)])
         finally:
-            async with http.post(spec.fetch_source_url.rstrip("/") + "/internal/store/release",
-                                 json={"lease_id": lease["lease_id"]}) as resp:
-                await resp.read()
+            # Only an unreachable peer fails the release (its answer is not looked at).
+            await self.client.send(peer + Route.LEASE_RELEASE, LeaseRelease(lease_id=lease.lease_id),
+                                   what="block lease release", timeout=UNBOUNDED, check_status=False)
         pages = []
         for i, page in enumerate(local):
             b = first + i
@@ -192,25 +146,26 @@ class PrefillJob:
         asyncio.get_running_loop().call_later(delay, self.shard.free, pages)
 
     # -- step 3: KV streaming -------------------------------------------------
-    def _send(self, block_table: list[int], first_block: int, end_block: int,
-              layers: tuple[int, int] | None) -> None:
+    def send_blocks(self, block_table: list[int], first_block: int, end_block: int,
+                    layers: tuple[int, int] | None) -> None:
         """Queue WRITEs of blocks [first_block, end_block) to the decode node's pages:
         model layers ``layers`` = [l0, l1) of each page, or all of this node's
         layers when None.  Decode pages hold every layer (``full_layout``); a
         pipeline stage's own pages hold only its layers (``layout``), so the
         same layers sit at different offsets on the two sides."""
         spec, worker = self.spec, self.worker
+        target = spec.decode
         base = worker.first_layer
         l0, l1 = layers if layers is not None else (worker.first_layer, worker.end_layer)
         requests = []
         for b in range(first_block, end_block):
             local_off, length = self.layout.layer_range_span(block_table[b], l0 - base, l1 - base)
-            remote_off = worker.full_layout.layer_range_span(spec.decode_pages[b], l0, l1)[0]
+            remote_off = worker.full_layout.layer_range_span(target.pages[b], l0, l1)[0]
             requests.append(TransferRequest(TransferOp.WRITE, worker.region_id, local_off, length,
-                                            spec.decode_segment, remote_off, spec.decode_region))
+                                            target.segment, remote_off, target.region))
         if not requests:
             return
-        if spec.decode_segment == self.worker.engine.name:
+        if target.segment == self.worker.engine.name:
             # Colocated: the "decode node" is this node; copy between our own pages.
             buf = self.shard.buffer
             for r in requests:
@@ -227,9 +182,9 @@ class PrefillJob:
         prompt and ``cached`` tokens of it need no compute."""
         spec, shard, bs = self.spec, self.shard, self.bs
         n = len(spec.token_ids)
-        self.result = result = PrefillResult(first_token=-1, logprob=0.0)
+        self.result = result = PrefillReply(first_token=-1, logprob=0.0)
         self.t_start = time.perf_counter()
-        prefix_pages = await self._load_prefix(result)
+        prefix_pages = await self.load_prefix(result)
         # At least the last prompt token is computed (it yields the logits).
         usable = min(len(prefix_pages), (n - 1) // bs)
         if usable < len(prefix_pages):
@@ -244,7 +199,7 @@ class PrefillJob:
         new_pages = shard.allocate(-(-n // bs) - usable)
         self.private_pages += new_pages
         self.table = prefix_pages + new_pages
-        self._send(self.table, 0, usable, None)
+        self.send_blocks(self.table, 0, usable, None)
 
     def layer_hook(self, loop: asyncio.AbstractEventLoop, abort_on_cancel: bool = True):
         """The runner's per-(chunk, layer) callback: it runs on the compute
@@ -254,11 +209,12 @@ class PrefillJob:
         def hook(start: int, end: int, layer: int) -> None:
             if self.cancelled and abort_on_cancel:
                 raise PrefillCancelled()
-            loop.call_soon_threadsafe(self._send, table, start // bs, -(-end // bs), (layer, layer + 1))
+            loop.call_soon_threadsafe(self.send_blocks, table, start // bs, -(-end // bs),
+                                      (layer, layer + 1))
             self.stream_log.append((end, layer, time.perf_counter()))
         return hook
 
-    async def finish(self, logits: Any, t_compute: float, compute_s: float) -> PrefillResult:
+    async def finish(self, logits: Any, t_compute: float, compute_s: float) -> PrefillReply:
         """Sample the first token, keep the new blocks, wait for the KV sends."""
         spec, result = self.spec, self.result
         if self.cancelled:
@@ -268,7 +224,7 @@ class PrefillJob:
         result.first_token, result.logprob = sample(logits, spec.sampling,
                                                     spec.sampling.make_generator())
         if self.prefix_cache:
-            self._publish_new_blocks(self.table, self.usable)
+            self.publish_new_blocks(self.table, self.usable)
         t_wait = time.perf_counter()
         await asyncio.gather(*self.sends)
         result.timings["transfer_wait_s"] = time.perf_counter() - t_wait
@@ -277,7 +233,8 @@ class PrefillJob:
         result.timings["total_s"] = time.perf_counter() - self.t_start
         return result
 
-    async def run(self) -> PrefillResult:
+    async def run(self) -> PrefillReply:
+        """The whole job: prepare, compute on the compute thread, finish; cleans up."""
         try:
             await self.prepare()
             hook = self.layer_hook(asyncio.get_running_loop())
@@ -291,7 +248,10 @@ class PrefillJob:
         return self.worker.runner.prefill(self.spec.token_ids, table, cached,
                                           chunk_size=self.chunk_size, layer_hook=hook)
 
-    def _publish_new_blocks(self, table: list[int], first_new: int) -> None:
+    def publish_new_blocks(self, table: list[int], first_new: int) -> None:
+        """Keep blocks [first_new, ...) of ``table`` in the local shard under
+        their keys (pinned until ``cleanup``); a page whose key was stored
+        meanwhile stays private and is freed at cleanup."""
         spec, bs = self.spec, self.bs
         for b in range(first_new, len(spec.block_keys)):
             page = table[b]
@@ -302,7 +262,8 @@ class PrefillJob:
                 self.private_pages.remove(page)
 
     async def cleanup(self) -> None:
-        # In-flight sends read our pages: they must end before pages are released.
+        """Release every pin and free every private page (tail first); waits
+        for the KV sends, which read those pages, first."""
         if self.sends:
             for task in self.sends:
                 if not task.done() and self.cancelled:
@@ -321,14 +282,13 @@ async def prefetch(worker, source_url: str, token_ids: list[int], block_keys: li
     """Pull the blocks of ``block_keys`` this node lacks from ``source_url`` and keep
     them cached (operator-driven replication of a hot prefix; no compute).
     Returns (tokens now held here, fetch error or "")."""
-    spec = PrefillSpec(request_id="prefetch", token_ids=token_ids, block_keys=block_keys,
-                       sampling=SamplingParams(), fetch_source_url=source_url,
-                       fetch_to_block=len(block_keys), decode_segment="", decode_region=0,
-                       decode_pages=[])
+    spec = PrefillRequest(request_id="prefetch", token_ids=token_ids, block_keys=block_keys,
+                          decode=ReservationGrant(pages=[], segment=""),
+                          fetch=FetchPlan(source_url=source_url, to_block=len(block_keys)))
     job = PrefillJob(spec, worker, worker.layout.block_size, timeout_s)
-    result = PrefillResult(first_token=-1, logprob=0.0)
+    result = PrefillReply(first_token=-1, logprob=0.0)
     try:
-        await job._load_prefix(result)
+        await job.load_prefix(result)
     finally:
         await job.cleanup()  # unpin: the blocks stay cached, evictable like any other
     return result.local_hit_tokens + result.fetched_tokens, result.fetch_failed

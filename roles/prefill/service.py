@@ -18,9 +18,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from roles.prefill.cpp import GroupPrefill
-from roles.prefill.job import PrefillCancelled, PrefillJob, PrefillResult, PrefillSpec
+from mooncaked.node.messages import PrefillReply, PrefillRequest
 from mooncaked.node.tasks import cancel_and_wait
+from roles.prefill.cpp import GroupPrefill
+from roles.prefill.job import PrefillCancelled, PrefillJob
 
 log = logging.getLogger("mooncaked.prefill")
 
@@ -72,16 +73,16 @@ class PrefillService:
             if not item.done.done():
                 item.done.set_exception(PrefillCancelled("node shutting down"))
 
-    async def submit(self, spec: PrefillSpec) -> PrefillResult:
+    async def submit(self, spec: PrefillRequest) -> PrefillReply:
         if len(self.queue) >= self.max_queue:
             raise QueueFull(f"prefill queue full ({self.max_queue} requests)")
         if spec.request_id in self.jobs:
             raise ValueError(f"request {spec.request_id} is already queued here")
-        if spec.cpp_stage_urls:
+        if spec.stage_urls:
             if not self.worker.cpp or self.worker.first_layer != 0:
                 raise ValueError("a CPP request must go to the head (stage 0) of a group")
             job: PrefillJob | GroupPrefill = GroupPrefill(
-                spec, self.worker, spec.cpp_stage_urls, self.chunk_size, self.cpp_timeout_s)
+                spec, self.worker, spec.stage_urls, self.chunk_size, self.cpp_timeout_s)
         else:
             if self.worker.cpp:
                 raise ValueError("this node is a pipeline stage: it only serves CPP requests")
@@ -106,7 +107,7 @@ class PrefillService:
 
     def _batchable(self, item: _Queued) -> bool:
         return isinstance(item.job, PrefillJob) and item.tokens <= self.chunk_size \
-            and not item.job.spec.fetch_source_url
+            and item.job.spec.fetch is None
 
     def _next_step(self) -> list[_Queued]:
         """The head of the queue, plus the short requests right behind it when
@@ -139,7 +140,7 @@ class PrefillService:
                     self.queued_tokens -= item.tokens
                 self.running = []
 
-    def _succeeded(self, item: _Queued, result: PrefillResult) -> None:
+    def _succeeded(self, item: _Queued, result: PrefillReply) -> None:
         result.timings["queue_s"] = item.queue_s
         if result.timings.get("compute_s", 0) > 0 and result.computed_tokens:
             rate = result.computed_tokens / result.timings["compute_s"]

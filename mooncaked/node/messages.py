@@ -1,0 +1,626 @@
+"""Every message nodes send each other, in one file: the cluster's internal protocol.
+
+Each message is a dataclass whose fields are declared with ``wire(check)``.
+``to_wire()`` gives its JSON form; ``from_wire(obj)`` is the one decode path:
+it checks every field and raises ``MessageError`` naming the bad one
+(``prefill.decode.pages[3]: expected a non-negative integer, got -1``), so a
+route answers 400 with that text instead of failing later with a KeyError.
+Unknown keys are ignored (a newer peer may add fields); a null optional field
+reads as its default.  The calls themselves go through
+``mooncaked.node.internal_client``.
+
+Routes (``Route``; POST unless marked GET), request -> reply:
+
+  prefill node   /internal/prefill             PrefillRequest     -> PrefillReply
+                 /internal/prefill/cancel      RequestRef         -> Cancelled
+                 /internal/store/prefetch      PrefetchRequest    -> PrefetchReply
+                 /internal/store/lease         LeaseRequest       -> LeaseGrant
+                 /internal/store/release       LeaseRelease       -> Released
+  CPP stage      /internal/cpp/prepare         CppPrepare         -> CppPrepared
+                 /internal/cpp/start           CppStart           -> CppStageReport
+                 /internal/cpp/chunk           CppChunk           -> Ok
+                 /internal/cpp/abort           RequestRef         -> Aborted
+  decode node    /internal/decode/reserve      ReservationRequest -> ReservationGrant
+                 /internal/decode/generate     DecodeStart        -> NDJSON lines: TokenLine
+                                                                     ... or a final StreamError
+                 /internal/decode/touch        RequestRef         -> Ok (404: no reservation)
+                 /internal/decode/cancel       RequestRef         -> Cancelled
+  conductor      /internal/nodes/register      NodeRegistration   -> RegistrationAck
+                 /internal/nodes/heartbeat     Heartbeat          -> Ok (404: register again)
+                 /internal/nodes/deregister    Deregistration     -> Ok
+             GET /internal/segments/{name}                        -> SegmentDescriptor (rdma)
+                 /internal/cache/snapshot      CacheSnapshot      -> Ok
+                 /internal/cache/events        CacheEvents        -> CacheEventsAck
+
+Node capacity and load reports stay open JSON objects: each role adds its
+own keys and the conductor reads the few it knows, with defaults.  So does
+the transfer descriptor in a registration: the conductor only passes it on,
+and the peer that resolves a segment decodes it (``SegmentDescriptor``,
+rdma's own typed descriptor, re-exported here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Mapping, Self
+
+from model.sampling import SamplingParams
+# Re-exported: GET /internal/segments/{name} answers with one.
+from rdma.descriptors import SegmentDescriptor as SegmentDescriptor
+
+
+class Route:
+    """The internal routes (see the table above)."""
+    PREFILL = "/internal/prefill"
+    PREFILL_CANCEL = "/internal/prefill/cancel"
+    PREFETCH = "/internal/store/prefetch"
+    LEASE = "/internal/store/lease"
+    LEASE_RELEASE = "/internal/store/release"
+    CPP_PREPARE = "/internal/cpp/prepare"
+    CPP_START = "/internal/cpp/start"
+    CPP_CHUNK = "/internal/cpp/chunk"
+    CPP_ABORT = "/internal/cpp/abort"
+    DECODE_RESERVE = "/internal/decode/reserve"
+    DECODE_GENERATE = "/internal/decode/generate"
+    DECODE_TOUCH = "/internal/decode/touch"
+    DECODE_CANCEL = "/internal/decode/cancel"
+    NODE_REGISTER = "/internal/nodes/register"
+    NODE_HEARTBEAT = "/internal/nodes/heartbeat"
+    NODE_DEREGISTER = "/internal/nodes/deregister"
+    SEGMENT = "/internal/segments/{name}"
+    CACHE_SNAPSHOT = "/internal/cache/snapshot"
+    CACHE_EVENTS = "/internal/cache/events"
+
+
+class MessageError(ValueError):
+    """A message that does not decode; ``field`` is the dotted path of the bad field."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+
+
+# -- field checks: check(value, where) -> the value, or MessageError naming `where`
+
+Check = Callable[[Any, str], Any]
+
+
+def _show(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, (dict, list)):
+        return "an object" if isinstance(v, dict) else "a list"
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _expected(what: str, v: Any, where: str) -> MessageError:
+    return MessageError(where, f"expected {what}, got {_show(v)}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # True is no token id
+
+
+def _int_words(lo: int | None, plural: bool = False) -> str:
+    words = {None: "integer", 0: "non-negative integer", 1: "positive integer"}.get(
+        lo, f"integer >= {lo}")
+    if plural:
+        return words.replace("integer", "integers")
+    return ("an " if words[0] in "aeiou" else "a ") + words
+
+
+def integer(lo: int | None = 0) -> Check:
+    """An integer >= ``lo`` (None: any)."""
+    def check(v: Any, where: str) -> int:
+        if not _is_int(v) or (lo is not None and v < lo):
+            raise _expected(_int_words(lo), v, where)
+        return v
+    return check
+
+
+def integers(lo: int | None = 0, nonempty: bool = False) -> Check:
+    """A list of integers >= ``lo``.  Token ids and block keys come by the
+    hundred thousand, so the common case is checked without a Python loop."""
+    item = integer(lo)
+
+    def check(v: Any, where: str) -> list[int]:
+        if not isinstance(v, list) or (nonempty and not v):
+            raise _expected(f"a {'non-empty ' if nonempty else ''}list of {_int_words(lo, True)}",
+                            v, where)
+        if not (set(map(type, v)) <= {int} and (lo is None or not v or min(v) >= lo)):
+            for i, x in enumerate(v):
+                item(x, f"{where}[{i}]")
+        return v
+    return check
+
+
+def list_of(item: Check) -> Check:
+    def check(v: Any, where: str) -> list:
+        if not isinstance(v, list):
+            raise _expected("a list", v, where)
+        return [item(x, f"{where}[{i}]") for i, x in enumerate(v)]
+    return check
+
+
+def optional(inner: Check) -> Check:
+    """``inner``, or null."""
+    return lambda v, where: None if v is None else inner(v, where)
+
+
+def one_of(*values: str) -> Check:
+    def check(v: Any, where: str) -> str:
+        if v not in values:
+            raise _expected(f"one of {', '.join(values)}", v, where)
+        return v
+    return check
+
+
+def number(v: Any, where: str) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise _expected("a number", v, where)
+    return float(v)
+
+
+def string(v: Any, where: str) -> str:
+    if not isinstance(v, str):
+        raise _expected("a string", v, where)
+    return v
+
+
+def name(v: Any, where: str) -> str:
+    if not isinstance(v, str) or not v:
+        raise _expected("a non-empty string", v, where)
+    return v
+
+
+def boolean(v: Any, where: str) -> bool:
+    if not isinstance(v, bool):
+        raise _expected("true or false", v, where)
+    return v
+
+
+def json_object(v: Any, where: str) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise _expected("a JSON object", v, where)
+    return v
+
+
+def numbers_by_name(v: Any, where: str) -> dict[str, float]:
+    """An object of numbers (e.g. timings in seconds)."""
+    return {k: number(x, f"{where}.{k}") for k, x in json_object(v, where).items()}
+
+
+def message(cls: type[Message]) -> Check:
+    """A nested message."""
+    return lambda v, where: cls.from_wire(v, where)
+
+
+# SamplingParams crosses the wire as its fields; the ranges are its own
+# __post_init__'s.  An unknown key is refused: dropping a sampling option
+# would silently change the output.
+_SAMPLING = {"temperature": number, "top_p": number, "top_k": integer(),
+             "seed": optional(integer(None)), "max_tokens": integer(1),
+             "stop_token_ids": integers(), "stop": list_of(string),
+             "ignore_eos": boolean, "logprobs": boolean}
+
+
+def sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
+    return dataclasses.asdict(params)
+
+
+def sampling(v: Any, where: str) -> SamplingParams:
+    values = {}
+    for key, x in json_object(v, where).items():
+        if key not in _SAMPLING:
+            raise MessageError(f"{where}.{key}", "unknown sampling parameter")
+        values[key] = _SAMPLING[key](x, f"{where}.{key}")
+    try:
+        return SamplingParams(**values)
+    except ValueError as exc:
+        raise MessageError(where, str(exc)) from None
+
+
+# -- messages -------------------------------------------------------------------
+
+def wire(check: Check, default: Any = dataclasses.MISSING, *,
+         factory: Any = dataclasses.MISSING, omit_none: bool = False) -> Any:
+    """A message field: how to check it, its default when absent (or null),
+    and whether ``to_wire`` leaves it out when it is None."""
+    return dataclasses.field(default=default, default_factory=factory,
+                             metadata={"check": check, "omit_none": omit_none})
+
+
+def _to_wire(v: Any) -> Any:
+    if isinstance(v, Message):
+        return v.to_wire()
+    if isinstance(v, SamplingParams):
+        return sampling_to_wire(v)
+    return v
+
+
+class Message:
+    """Base of the messages: dataclasses whose fields are declared with ``wire``.
+    Error paths start with ``WHERE`` (the class name when it has none), or
+    with the path of the field a nested message sits in."""
+    WHERE: ClassVar[str] = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {f.name: _to_wire(getattr(self, f.name)) for f in dataclasses.fields(self)
+                if not (f.metadata["omit_none"] and getattr(self, f.name) is None)}
+
+    @classmethod
+    def from_wire(cls, obj: Any, where: str | None = None) -> Self:
+        where = cls._path(where)
+        data: Mapping[str, Any] = json_object(obj, where)
+        values = {}
+        for f in dataclasses.fields(cls):
+            at = f"{where}.{f.name}"
+            v = data.get(f.name)
+            if v is None and _has_default(f):
+                continue  # absent or null: the default
+            if f.name not in data:
+                raise MessageError(at, "missing")
+            values[f.name] = f.metadata["check"](v, at)
+        return cls(**values)
+
+    @classmethod
+    def _path(cls, where: str | None) -> str:
+        return where or cls.WHERE or cls.__name__
+
+
+def _has_default(f: dataclasses.Field) -> bool:
+    return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+
+
+def _check_blocks(where: str, token_ids: list[int], block_keys: list[int],
+                  block_size: int | None) -> None:
+    """One key per full block of the prompt (keys exist for full blocks only)."""
+    if block_size is not None and len(block_keys) != len(token_ids) // block_size:
+        full = len(token_ids) // block_size
+        raise MessageError(f"{where}.block_keys", f"expected one key per full block of "
+                           f"{block_size} tokens ({full}), got {len(block_keys)}")
+
+
+@dataclass(frozen=True)
+class RequestRef(Message):
+    """Names a request: prefill and decode cancel, decode touch, CPP abort."""
+    WHERE = "request"
+    request_id: str = wire(name)
+
+
+@dataclass(frozen=True)
+class Ok(Message):
+    ok: bool = wire(boolean, True)
+
+
+@dataclass(frozen=True)
+class Cancelled(Message):
+    cancelled: bool = wire(boolean)
+
+
+@dataclass(frozen=True)
+class Aborted(Message):
+    aborted: bool = wire(boolean)
+
+
+@dataclass(frozen=True)
+class Released(Message):
+    released: bool = wire(boolean)
+
+
+# -- decode reservations and the token stream ------------------------------------
+
+@dataclass(frozen=True)
+class ReservationRequest(Message):
+    """Conductor -> decode: pages for prompt + max_tokens."""
+    WHERE = "decode.reserve"
+    request_id: str = wire(name)
+    total_tokens: int = wire(integer(1))
+
+
+@dataclass(frozen=True)
+class ReservationGrant(Message):
+    """Decode -> conductor: the reserved pages; forwarded to the prefill node
+    as the target of its KV writes (``PrefillRequest.decode``)."""
+    WHERE = "reservation"
+    pages: list[int] = wire(integers())
+    segment: str = wire(string)
+    region: int = wire(integer(), 0)
+
+
+@dataclass(frozen=True)
+class DecodeStart(Message):
+    """Conductor -> decode: continue from the prefill's first token."""
+    WHERE = "decode.generate"
+    request_id: str = wire(name)
+    prompt_len: int = wire(integer())
+    first_token: int = wire(integer())
+    sampling: SamplingParams = wire(sampling, factory=SamplingParams)
+
+
+@dataclass(frozen=True)
+class TokenLine(Message):
+    """One NDJSON line of the decode stream."""
+    WHERE = "token"
+    token: int = wire(integer())
+    logprob: float | None = wire(optional(number), None)
+    finish_reason: str | None = wire(optional(string), None)
+
+
+@dataclass(frozen=True)
+class StreamError(Message):
+    """The decode stream's last line when the request ended without finishing."""
+    WHERE = "token"
+    error: str = wire(string)
+
+
+def decode_line(obj: Any) -> TokenLine | StreamError:
+    """One line of the decode stream: a token, or the error that ends it."""
+    if isinstance(obj, dict) and "error" in obj:
+        return StreamError.from_wire(obj)
+    return TokenLine.from_wire(obj)
+
+
+# -- prefill ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FetchPlan(Message):
+    """Pull blocks [local hit, to_block) from the peer at ``source_url`` first."""
+    source_url: str = wire(name)
+    to_block: int = wire(integer(), 0)
+
+
+@dataclass(frozen=True)
+class CppPlan(Message):
+    """CPP: the URLs of the group's stages after the head."""
+    stage_urls: list[str] = wire(list_of(name), factory=list)
+
+
+@dataclass(frozen=True)
+class PrefillRequest(Message):
+    """Conductor -> prefill node: the request, the reuse plan and the decode target."""
+    WHERE = "prefill"
+    request_id: str = wire(name)
+    token_ids: list[int] = wire(integers(nonempty=True))
+    block_keys: list[int] = wire(integers())
+    decode: ReservationGrant = wire(message(ReservationGrant))
+    sampling: SamplingParams = wire(sampling, factory=SamplingParams)
+    fetch: FetchPlan | None = wire(message(FetchPlan), None, omit_none=True)
+    cpp: CppPlan | None = wire(message(CppPlan), None, omit_none=True)
+
+    @classmethod
+    def from_wire(cls, obj: Any, where: str | None = None, *,
+                  block_size: int | None = None) -> Self:
+        """Also checks the keys and pages against ``block_size`` when given."""
+        req = super().from_wire(obj, where)
+        where = cls._path(where)
+        _check_blocks(where, req.token_ids, req.block_keys, block_size)
+        pages = len(req.decode.pages)
+        if block_size is not None and pages * block_size < len(req.token_ids):
+            raise MessageError(f"{where}.decode.pages", f"{pages} pages of {block_size} tokens "
+                               f"do not cover the {len(req.token_ids)}-token prompt")
+        return req
+
+    @property
+    def stage_urls(self) -> list[str]:
+        return self.cpp.stage_urls if self.cpp is not None else []
+
+
+@dataclass(frozen=True)
+class CppSummary(Message):
+    """What a CPP prefill reports: stages, bytes across stage boundaries,
+    each stage's compute seconds (head first)."""
+    stages: int = wire(integer(1))
+    boundary_bytes: int = wire(integer())
+    stage_compute_s: list[float] = wire(list_of(number))
+
+
+@dataclass
+class PrefillReply(Message):
+    """Prefill node -> conductor: the first token (that is the TTFT) and how
+    the prompt was served.  The job fills it in as it goes (not frozen)."""
+    WHERE = "prefill reply"
+    first_token: int = wire(integer())
+    logprob: float | None = wire(optional(number), None)
+    local_hit_tokens: int = wire(integer(), 0)
+    fetched_tokens: int = wire(integer(), 0)
+    computed_tokens: int = wire(integer(), 0)
+    fetch_failed: str = wire(string, "")
+    timings: dict[str, float] = wire(numbers_by_name, factory=dict)
+    cpp: CppSummary | None = wire(message(CppSummary), None, omit_none=True)
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.local_hit_tokens + self.fetched_tokens
+
+    def to_wire(self) -> dict[str, Any]:
+        out = super().to_wire()
+        out["cached_tokens"] = self.cached_tokens  # for readers of the raw JSON
+        out["timings"] = {k: round(v, 6) for k, v in self.timings.items()}
+        return out
+
+
+@dataclass(frozen=True)
+class PrefetchRequest(Message):
+    """Conductor -> prefill node: pull a prefix from ``source_url`` and keep it."""
+    WHERE = "prefetch"
+    token_ids: list[int] = wire(integers())
+    block_keys: list[int] = wire(integers())
+    source_url: str = wire(name)
+
+    @classmethod
+    def from_wire(cls, obj: Any, where: str | None = None, *,
+                  block_size: int | None = None) -> Self:
+        req = super().from_wire(obj, where)
+        _check_blocks(cls._path(where), req.token_ids, req.block_keys, block_size)
+        return req
+
+
+@dataclass(frozen=True)
+class PrefetchReply(Message):
+    held_tokens: int = wire(integer())
+    error: str = wire(string, "")
+
+
+# -- block leases (prefill -> prefill) ------------------------------------------
+
+@dataclass(frozen=True)
+class LeaseRequest(Message):
+    """Pin the longest held prefix of ``keys`` for ``ttl_s`` so we can READ it."""
+    WHERE = "lease"
+    keys: list[int] = wire(integers())
+    ttl_s: float = wire(number, 30.0)
+
+
+@dataclass(frozen=True)
+class LeaseGrant(Message):
+    """The pinned pages of the prefix (empty: none of it is held any more)."""
+    WHERE = "lease grant"
+    lease_id: int = wire(integer())
+    pages: list[int] = wire(integers())
+    region: int = wire(integer())
+    segment: str = wire(name)
+
+
+@dataclass(frozen=True)
+class LeaseRelease(Message):
+    WHERE = "lease.release"
+    lease_id: int = wire(integer())
+
+
+# -- CPP stages (head -> stage, stage -> next stage) -----------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class CppPrepare(PrefillRequest):
+    """Head -> stage: pin up to ``max_prefix_blocks`` of the prefix, take an
+    activation slot.  The prefill request's fields (without fetch and cpp) plus one."""
+    WHERE = "cpp.prepare"
+    max_prefix_blocks: int = wire(integer())
+
+
+@dataclass(frozen=True)
+class ActivationSlot(Message):
+    """Where a stage receives a chunk's hidden states."""
+    segment: str = wire(name)
+    region: int = wire(integer())
+    offset: int = wire(integer())
+
+
+@dataclass(frozen=True)
+class CppPrepared(Message):
+    WHERE = "cpp prepared"
+    prefix_blocks: int = wire(integer())
+    act: ActivationSlot = wire(message(ActivationSlot))
+
+
+@dataclass(frozen=True)
+class CppHop(Message):
+    """The next stage: its URL (for the chunk notice) and activation slot."""
+    url: str = wire(name)
+    segment: str = wire(name)
+    region: int = wire(integer())
+    offset: int = wire(integer())
+
+    @classmethod
+    def at(cls, url: str, slot: ActivationSlot) -> CppHop:
+        return cls(url=url, segment=slot.segment, region=slot.region, offset=slot.offset)
+
+
+@dataclass(frozen=True)
+class CppStart(Message):
+    """Head -> stage: compute with this agreed prefix; forward to ``next``
+    (None: this is the last stage)."""
+    WHERE = "cpp.start"
+    request_id: str = wire(name)
+    prefix_blocks: int = wire(integer())
+    next: CppHop | None = wire(message(CppHop), None)
+
+
+@dataclass(frozen=True)
+class CppStageReport(Message):
+    """A stage's answer to start; the last stage adds the first token."""
+    WHERE = "cpp stage report"
+    stage_compute_s: float = wire(number)
+    stage_s: float = wire(number)
+    boundary_bytes: int = wire(integer())
+    layers: list[int] = wire(integers())
+    first_token: int | None = wire(optional(integer()), None, omit_none=True)
+    logprob: float | None = wire(optional(number), None, omit_none=True)
+
+
+@dataclass(frozen=True)
+class CppChunk(Message):
+    """Stage -> next stage: chunk [start, start + n) is in your input slot."""
+    WHERE = "cpp.chunk"
+    request_id: str = wire(name)
+    start: int = wire(integer())
+    n: int = wire(integer(1))
+
+
+# -- membership (node -> conductor) ----------------------------------------------
+
+NODE_ROLES = ("prefill", "decode", "colocated")
+
+
+@dataclass(frozen=True)
+class NodeRegistration(Message):
+    """A node's descriptor: who it is, where it listens, what it holds, and
+    its transfer segment's wire descriptor (served as is by the conductor;
+    decoded as ``SegmentDescriptor`` by the peer that resolves it)."""
+    WHERE = "registration"
+    node_id: str = wire(name)
+    role: str = wire(one_of(*NODE_ROLES))
+    url: str = wire(name)
+    capacity: dict[str, Any] = wire(json_object, factory=dict)
+    transfer: dict[str, Any] = wire(json_object, factory=dict)
+    load: dict[str, Any] = wire(json_object, factory=dict)
+
+
+@dataclass(frozen=True)
+class RegistrationAck(Message):
+    node_id: str = wire(name)
+    heartbeat_interval_s: float = wire(number)
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    WHERE = "heartbeat"
+    node_id: str = wire(name)
+    load: dict[str, Any] = wire(json_object, factory=dict)
+
+
+@dataclass(frozen=True)
+class Deregistration(Message):
+    WHERE = "deregister"
+    node_id: str = wire(name)
+
+
+# -- cache events (prefill node -> conductor) ------------------------------------
+
+@dataclass(frozen=True)
+class CacheSnapshot(Message):
+    """Every key the node's shard holds, as of event ``seq`` of ``epoch``."""
+    WHERE = "cache.snapshot"
+    node_id: str = wire(name)
+    epoch: int = wire(integer())
+    seq: int = wire(integer())
+    keys: list[int] = wire(integers())
+
+
+@dataclass(frozen=True)
+class CacheEvents(Message):
+    """One drained batch of stored/evicted keys; ``resync``: events were lost."""
+    WHERE = "cache.events"
+    node_id: str = wire(name)
+    epoch: int = wire(integer())
+    seq: int = wire(integer())
+    stored: list[int] = wire(integers(), factory=list)
+    evicted: list[int] = wire(integers(), factory=list)
+    resync: bool = wire(boolean, False)
+
+
+@dataclass(frozen=True)
+class CacheEventsAck(Message):
+    resync: bool = wire(boolean)   # True: send a snapshot next

@@ -41,12 +41,26 @@ def _die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def http_json(url: str, timeout: float = 2.0) -> tuple[int, dict]:
+def http_json(url: str, body: dict | None = None, headers: dict | None = None,
+              timeout: float = 2.0) -> tuple[int, dict]:
+    """GET ``url`` (POST ``body`` as JSON when given): (status, JSON body).
+
+    An HTTP error still answers: its status, and its JSON error body if it
+    has one (``{}`` otherwise)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method="GET" if data is None else "POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read() or b"{}")
     except urllib.error.HTTPError as exc:
-        return exc.code, {}
+        raw = exc.read()
+        return exc.code, json.loads(raw) if raw.startswith(b"{") else {}
+
+
+def mooncaked_cmd(*args: str) -> list[str]:
+    """The command line that runs this same program with ``args``."""
+    return [sys.executable, "-m", "mooncaked.cli", *args]
 
 
 @dataclass
@@ -60,6 +74,55 @@ class Child:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def check_alive(self) -> None:
+        code = self.proc.poll()
+        if code is not None:
+            tail = self.output().strip().splitlines()[-5:]
+            raise RuntimeError(f"{self.name} exited with code {code} during start-up:\n  "
+                               + "\n  ".join(tail))
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Until ``/readyz`` answers 200; RuntimeError if the process exits or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                status, _ = http_json(self.url + "/readyz", timeout=1.0)
+                if status == 200:
+                    return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.name} not ready in time (log: {self.log_path})")
+
+    def terminate(self, timeout: float = 20.0) -> int:
+        """SIGTERM (a graceful stop) and wait: the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def spawn(name: str, role: str, port: int, args: list[str], log_path: Path,
+          env: dict[str, str] | None = None, cwd: Path | None = None) -> Child:
+    """Start ``mooncaked <args>`` with its output appended to ``log_path``."""
+    # Oversubscribed OpenMP threads that spin while waiting steal the cores
+    # the other nodes compute on: make idle ones sleep instead.
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+           **(env or {})}
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(mooncaked_cmd(*args), stdout=log, stderr=subprocess.STDOUT,
+                                env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+                                start_new_session=True, preexec_fn=_die_with_parent)
+    return Child(name, role, port, log_path, proc)
 
 
 @dataclass
@@ -91,8 +154,7 @@ class LocalCluster:
     def _spawn(self, name: str, role: str, extra: list[str], port: int = 0) -> Child:
         assert self.log_dir is not None
         port = port or free_port()
-        cmd = [sys.executable, "-m", "mooncaked.cli", "--role", role, "--host", "127.0.0.1",
-               "--port", str(port), "--node-id", name]
+        cmd = ["--role", role, "--host", "127.0.0.1", "--port", str(port), "--node-id", name]
         if self.model:
             cmd += ["--model", self.model]
         if self.config:
@@ -103,15 +165,7 @@ class LocalCluster:
         for item in self.overrides:
             cmd += ["--set", item]
         cmd += extra
-        log_path = self.log_dir / f"{name}.log"
-        # Oversubscribed OpenMP threads that spin while waiting steal the cores
-        # the other nodes compute on: make idle ones sleep instead.
-        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    stdin=subprocess.DEVNULL, start_new_session=True,
-                                    preexec_fn=_die_with_parent)
-        child = Child(name, role, port, log_path, proc)
+        child = spawn(name, role, port, cmd, self.log_dir / f"{name}.log")
         self.children.append(child)
         return child
 
@@ -137,24 +191,8 @@ class LocalCluster:
             self._wait_ready(child, deadline)
         self._wait_registered(deadline)
 
-    def _check_alive(self, child: Child) -> None:
-        code = child.proc.poll()
-        if code is not None:
-            tail = child.log_path.read_text(errors="replace").strip().splitlines()[-5:]
-            raise RuntimeError(f"{child.name} exited with code {code} during start-up:\n  "
-                               + "\n  ".join(tail))
-
     def _wait_ready(self, child: Child, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            self._check_alive(child)
-            try:
-                status, _ = http_json(child.url + "/readyz", timeout=1.0)
-                if status == 200:
-                    return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"{child.name} not ready in time (log: {child.log_path})")
+        child.wait_ready(deadline - time.monotonic())
 
     def _wait_registered(self, deadline: float) -> None:
         expected = {c.name for c in self.children[1:]}

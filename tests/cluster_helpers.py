@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import random
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -22,10 +25,11 @@ ADMIN = {"Authorization": "Bearer test-token"}
 
 
 def start_cluster(tmp: Path, prefill: int = 2, decode: int = 1, model: str = "tiny",
-                  extra: list[str] | None = None, colocated: int = 0) -> LocalCluster:
+                  extra: list[str] | None = None, colocated: int = 0,
+                  cpp_group: int = 0) -> LocalCluster:
     cluster = LocalCluster(prefill=prefill if not colocated else colocated,
                            decode=decode if not colocated else 0, model=model,
-                           overrides=TINY + (extra or []), log_dir=tmp)
+                           overrides=TINY + (extra or []), log_dir=tmp, cpp_group=cpp_group)
     if colocated:
         cluster.role_of_workers = ("colocated", "decode")
     try:
@@ -34,6 +38,22 @@ def start_cluster(tmp: Path, prefill: int = 2, decode: int = 1, model: str = "ti
         cluster.stop()
         raise
     return cluster
+
+
+@contextmanager
+def running_cluster(tmp: Path, **kw) -> Iterator[LocalCluster]:
+    """``start_cluster(tmp, **kw)``, stopped on leaving the block (module fixtures)."""
+    cluster = start_cluster(tmp, **kw)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    """A reproducible prompt of ``n`` byte tokens."""
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
 
 
 def reference_greedy(model: str, prompt: list[int], max_tokens: int, block_size: int = 16) -> list[int]:

@@ -6,26 +6,18 @@ from __future__ import annotations
 
 import json
 
-import typer
+import pytest
 from typer.testing import CliRunner
 
-from mooncaked.benchserve.command import register
-from mooncaked.benchserve.tracegen import TraceGenConfig, generate, write_trace
+pytestmark = pytest.mark.slow  # starts four local clusters
 
 
-def test_compare_two_configs_produces_table_and_plots(tmp_path):
-    trace = tmp_path / "gen.jsonl"
+def test_compare_two_configs_produces_table_and_plots(tmp_path, bench_cli, system_prompt_trace):
     # One shared system prompt, one-offs: every request after the first can
     # reuse it where prefix reuse is on.
-    write_trace(trace, generate(TraceGenConfig(requests=8, rate=2.0, chat_share=0.0,
-                                               doc_share=0.0, system_prompts=1,
-                                               system_prompt_tokens=2048, user_tokens_mean=200,
-                                               output_tokens_mean=3)))
-    app, bench = typer.Typer(), typer.Typer()
-    app.add_typer(bench, name="bench")
-    register(bench, app)
+    trace = system_prompt_trace(requests=8, rate=2.0, system_prompts=1, user_tokens_mean=200)
     out = tmp_path / "cmp"
-    res = CliRunner().invoke(app, [
+    res = CliRunner().invoke(bench_cli, [
         "bench", "compare", "--trace", str(trace), "--configs", "mooncake,colocated_no_cache",
         "--model", "tiny", "--prefill", "1", "--decode", "1", "--colocated", "2",
         "--length-scale", "0.03125", "--time-scale", "0.5", "--max-output-tokens", "2",

@@ -8,18 +8,15 @@ import json
 import math
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
-from mooncaked.benchserve.command import register
 from mooncaked.benchserve.replay import ReplayConfig, run_replay
 from mooncaked.benchserve.report import Slo
 from mooncaked.benchserve.session import run_bench
-from mooncaked.benchserve.tracegen import TraceGenConfig, generate, write_trace
 from mooncaked.benchserve.workload import (ReplayRequest, WorkloadConfig, build_workload,
                                            scaled_prompt)
-from tests.cluster_helpers import start_cluster
-from tests.paths import SYNTHETIC_TRACE
+from tests.cluster_helpers import running_cluster
+from tests.paths import SYNTHETIC_TRACE, needs_trace
 
 TRACE = SYNTHETIC_TRACE
 BLOCK = 16  # cluster block size (TINY) == scaled tokens per trace hash id (512 / 32)
@@ -28,10 +25,9 @@ BLOCK = 16  # cluster block size (TINY) == scaled tokens per trace hash id (512 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     # Reservations must outlive the prefill queue of a 50-request burst on 2 cores.
-    c = start_cluster(tmp_path_factory.mktemp("bench-cluster"), prefill=2, decode=1,
-                      extra=["decode.reservation_timeout_s=120"])
-    yield c
-    c.stop()
+    with running_cluster(tmp_path_factory.mktemp("bench-cluster"), prefill=2, decode=1,
+                         extra=["decode.reservation_timeout_s=120"]) as c:
+        yield c
 
 
 def _pct(xs, q):
@@ -47,7 +43,8 @@ def _paper_tbt(times):
     return sum(gaps[:k]) / k
 
 
-@pytest.mark.skipif(not TRACE.is_file(), reason=f"published trace not found at {TRACE}")
+@pytest.mark.slow  # uses the module's local cluster
+@needs_trace
 def test_synthetic_slice_replays_and_report_matches_records(cluster, tmp_path):
     wl = WorkloadConfig(trace=str(TRACE), max_requests=50, time_scale=0.01, length_scale=1 / 32,
                         max_output_tokens=4)
@@ -115,14 +112,11 @@ def test_synthetic_slice_replays_and_report_matches_records(cluster, tmp_path):
     assert again.status == "ok" and again.cached_tokens == k * BLOCK > 0, again
 
 
-def test_generated_trace_shares_system_prompts_in_cache(cluster, tmp_path):
+@pytest.mark.slow  # uses the module's local cluster
+def test_generated_trace_shares_system_prompts_in_cache(cluster, system_prompt_trace):
     # Few system prompts, one-offs only: every request after the first per
     # system prompt shares its whole system prompt with an earlier one.
-    trace = tmp_path / "gen.jsonl"
-    write_trace(trace, generate(TraceGenConfig(requests=12, rate=4.0, chat_share=0.0,
-                                               doc_share=0.0, system_prompts=2,
-                                               system_prompt_tokens=2048, user_tokens_mean=300,
-                                               output_tokens_mean=3)))
+    trace = system_prompt_trace(requests=12, rate=4.0, system_prompts=2, user_tokens_mean=300)
     # reserved_tokens=1 maps hash ids to other tokens than the test above, so
     # that replay's cached blocks cannot be hit here.
     wl = WorkloadConfig(trace=str(trace), length_scale=1 / 32, max_output_tokens=2,
@@ -139,18 +133,11 @@ def test_generated_trace_shares_system_prompts_in_cache(cluster, tmp_path):
     assert all(r.cached_tokens <= r.shared_prefix_tokens for r in ok)
 
 
-def _cli() -> typer.Typer:
-    app = typer.Typer()
-    bench = typer.Typer()
-    app.add_typer(bench, name="bench")
-    register(bench, app)
-    return app
-
-
-@pytest.mark.skipif(not TRACE.is_file(), reason=f"published trace not found at {TRACE}")
-def test_bench_serve_cli_sweep(cluster, tmp_path):
+@pytest.mark.slow  # uses the module's local cluster
+@needs_trace
+def test_bench_serve_cli_sweep(cluster, tmp_path, bench_cli):
     out = tmp_path / "sweep"
-    res = CliRunner().invoke(_cli(), [
+    res = CliRunner().invoke(bench_cli, [
         "bench", "serve", "--url", cluster.url, "--trace", str(TRACE), "--max-requests", "4",
         "--offset", "100", "--rate", "4,8", "--poisson", "--length-scale", "0.015625",
         "--max-output-tokens", "2", "--out", str(out), "--no-progress"])
@@ -163,16 +150,14 @@ def test_bench_serve_cli_sweep(cluster, tmp_path):
         "arrival"] == "poisson"
 
 
-def test_bench_serve_cli_bad_input(tmp_path):
+def test_bench_serve_cli_bad_input(tmp_path, bench_cli, bad_trace):
     runner = CliRunner()
-    res = runner.invoke(_cli(), ["bench", "serve", "--url", "http://127.0.0.1:9",
-                                 "--trace", str(tmp_path / "missing.jsonl")])
+    res = runner.invoke(bench_cli, ["bench", "serve", "--url", "http://127.0.0.1:9",
+                                    "--trace", str(tmp_path / "missing.jsonl")])
     assert res.exit_code == 2 and "not a file" in res.output
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"timestamp": 0, "input_length": 600, "output_length": 1, '
-                   '"hash_ids": [1]}\n')
-    res = runner.invoke(_cli(), ["bench", "serve", "--url", "http://127.0.0.1:9",
-                                 "--trace", str(bad)])
+    bad = bad_trace
+    res = runner.invoke(bench_cli, ["bench", "serve", "--url", "http://127.0.0.1:9",
+                                    "--trace", str(bad)])
     assert res.exit_code == 2 and "bad.jsonl:1" in res.output
-    res = runner.invoke(_cli(), ["bench", "serve", "--url", "ftp://x", "--trace", str(bad)])
+    res = runner.invoke(bench_cli, ["bench", "serve", "--url", "ftp://x", "--trace", str(bad)])
     assert res.exit_code == 2 and "url" in res.output

@@ -7,24 +7,19 @@ oracle at temperature 0.
 
 from __future__ import annotations
 
-import random
 import pytest
 
-from tests.cluster_helpers import (ADMIN, complete, leaked, reference_greedy, start_cluster,
-                                   stream_lines, trace_of)
+from tests.cluster_helpers import (ADMIN, complete, leaked, reference_greedy, running_cluster,
+                                   stream_lines, tokens, trace_of)
 from tests.nodes import get_json, post_json, wait_until
+
+pytestmark = pytest.mark.slow  # real local clusters (node processes)
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = start_cluster(tmp_path_factory.mktemp("cluster"))
-    yield c
-    c.stop()
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(256) for _ in range(n)]
+    with running_cluster(tmp_path_factory.mktemp("cluster")) as c:
+        yield c
 
 
 @pytest.mark.parametrize("length", [1, 15, 16, 33, 77])
@@ -119,18 +114,15 @@ def test_concurrent_short_prompts_are_prefilled_in_batches(cluster):
     assert status_batches() > before
 
 
-def test_colocated_node_matches_the_reference_too(tmp_path):
-    colo = start_cluster(tmp_path, colocated=1)
-    try:
-        prompt = tokens(50, seed=11)
-        expected = reference_greedy("tiny", prompt, 8)
-        for attempt in range(2):  # then with its own prefix cache
-            status, body = complete(colo.url, prompt, max_tokens=8)
-            assert status == 200, body
-            trace = trace_of(colo.url, body)
-            assert trace["prefill_node"] == trace["decode_node"] == "colocated-0"
-            assert trace["output_token_ids"] == expected
-            assert trace["cached_tokens"] == (0 if attempt == 0 else 48)
-        assert leaked(colo) == {}
-    finally:
-        colo.stop()
+def test_colocated_node_matches_the_reference_too(local_cluster):
+    colo = local_cluster(colocated=1)
+    prompt = tokens(50, seed=11)
+    expected = reference_greedy("tiny", prompt, 8)
+    for attempt in range(2):  # then with its own prefix cache
+        status, body = complete(colo.url, prompt, max_tokens=8)
+        assert status == 200, body
+        trace = trace_of(colo.url, body)
+        assert trace["prefill_node"] == trace["decode_node"] == "colocated-0"
+        assert trace["output_token_ids"] == expected
+        assert trace["cached_tokens"] == (0 if attempt == 0 else 48)
+    assert leaked(colo) == {}

@@ -5,13 +5,14 @@ survivors keep serving and nothing stays pinned or reserved."""
 from __future__ import annotations
 
 import json
-import random
 import time
 
 import pytest
 
-from tests.cluster_helpers import complete, leaked, start_cluster, stream_lines
+from tests.cluster_helpers import complete, leaked, stream_lines, tokens
 from tests.nodes import get_json, wait_until
+
+pytestmark = pytest.mark.slow  # real local clusters (node processes)
 
 # The default dummy model: slow enough on CPU that a long prefill is still
 # running when the node is killed.
@@ -19,16 +20,9 @@ MODEL = "dummy"
 
 
 @pytest.fixture
-def cluster(tmp_path):
-    c = start_cluster(tmp_path, prefill=2, decode=2, model=MODEL,
-                      extra=["store.capacity_bytes=134217728", "model.prefill_chunk=512"])
-    yield c
-    c.stop()
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(256) for _ in range(n)]
+def cluster(local_cluster):
+    return local_cluster(prefill=2, decode=2, model=MODEL,
+                         extra=["store.capacity_bytes=134217728", "model.prefill_chunk=512"])
 
 
 def peers_alive(cluster) -> set[str]:
@@ -102,77 +96,68 @@ def test_kill_decode_node_mid_decode(cluster):
     wait_until(lambda: not leaked(cluster), 10, what="prefill pins released")
 
 
-def test_reservations_outlive_a_long_prefill_queue_but_not_their_owner(tmp_path):
+def test_reservations_outlive_a_long_prefill_queue_but_not_their_owner(local_cluster):
     from concurrent.futures import ThreadPoolExecutor
 
     from tests.nodes import post_json
 
-    c = start_cluster(tmp_path, prefill=1, decode=1, model=MODEL,
+    c = local_cluster(prefill=1, decode=1, model=MODEL,
                       extra=["decode.reservation_timeout_s=1", "model.prefill_chunk=512",
                              "store.capacity_bytes=134217728"])
-    try:
-        # Four 2k-token prompts queue at one prefill node for well over the
-        # 1 s reservation timeout: the conductor keeps their reservations alive.
-        prompts = [tokens(2048, seed=20 + i) for i in range(4)]
-        with ThreadPoolExecutor(max_workers=4) as pool:
-            results = list(pool.map(lambda p: complete(c.url, p, max_tokens=3, model=MODEL), prompts))
-        assert [s for s, _ in results] == [200] * 4, results
-        # A reservation nobody owns (no conductor touching it) expires.
-        decode = next(ch for ch in c.children if ch.role == "decode")
-        status, _ = post_json(decode.url + "/internal/decode/reserve",
-                              {"request_id": "orphan", "total_tokens": 64})
-        assert status == 200
-        wait_until(lambda: not leaked(c), 10, what="the orphan reservation to expire")
-    finally:
-        c.stop()
+    # Four 2k-token prompts queue at one prefill node for well over the
+    # 1 s reservation timeout: the conductor keeps their reservations alive.
+    prompts = [tokens(2048, seed=20 + i) for i in range(4)]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(lambda p: complete(c.url, p, max_tokens=3, model=MODEL), prompts))
+    assert [s for s, _ in results] == [200] * 4, results
+    # A reservation nobody owns (no conductor touching it) expires.
+    decode = next(ch for ch in c.children if ch.role == "decode")
+    status, _ = post_json(decode.url + "/internal/decode/reserve",
+                          {"request_id": "orphan", "total_tokens": 64})
+    assert status == 200
+    wait_until(lambda: not leaked(c), 10, what="the orphan reservation to expire")
 
 
-def test_conductor_restart_nodes_rejoin_and_cache_index_is_rebuilt(tmp_path):
-    c = start_cluster(tmp_path, prefill=1, decode=1, model="tiny")
-    try:
-        prompt = tokens(64, seed=9)
-        assert complete(c.url, prompt, max_tokens=2, model="tiny")[0] == 200
-        old = c.children[0]
-        old.proc.kill()  # kill -9: nodes get no goodbye
-        old.proc.wait()
-        c.restart_conductor()
-        wait_until(lambda: len(peers_alive(c)) == 2, 20, what="nodes to re-register")
-        # The new conductor rebuilds its cache index from the nodes' snapshots,
-        # so the repeated prompt is scheduled with its cached prefix again.
-        def cached() -> int:
-            status, body = complete(c.url, prompt, max_tokens=2, model="tiny")
-            assert status == 200, body
-            return body["usage"]["prompt_tokens_details"]["cached_tokens"]
-        assert wait_until(lambda: cached() == 48, 10, interval=0.3, what="index rebuilt")
-        assert not leaked(c)
-    finally:
-        c.stop()
+def test_conductor_restart_nodes_rejoin_and_cache_index_is_rebuilt(local_cluster):
+    c = local_cluster(prefill=1, decode=1, model="tiny")
+    prompt = tokens(64, seed=9)
+    assert complete(c.url, prompt, max_tokens=2, model="tiny")[0] == 200
+    old = c.children[0]
+    old.proc.kill()  # kill -9: nodes get no goodbye
+    old.proc.wait()
+    c.restart_conductor()
+    wait_until(lambda: len(peers_alive(c)) == 2, 20, what="nodes to re-register")
+    # The new conductor rebuilds its cache index from the nodes' snapshots,
+    # so the repeated prompt is scheduled with its cached prefix again.
+    def cached() -> int:
+        status, body = complete(c.url, prompt, max_tokens=2, model="tiny")
+        assert status == 200, body
+        return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert wait_until(lambda: cached() == 48, 10, interval=0.3, what="index rebuilt")
+    assert not leaked(c)
 
 
-def test_failed_prefix_fetch_falls_back_to_recompute(tmp_path):
+def test_failed_prefix_fetch_falls_back_to_recompute(local_cluster):
     from tests.cluster_helpers import ADMIN, reference_greedy, trace_of
     from tests.nodes import post_json
 
-    c = start_cluster(tmp_path, prefill=2, decode=1, model="tiny",
+    c = local_cluster(prefill=2, decode=1, model="tiny",
                       extra=["node.heartbeat_timeout_s=5", "node.heartbeat_interval_s=0.2"])
-    try:
-        shared = tokens(96, seed=31)
-        status, body = complete(c.url, shared + tokens(8, seed=1), max_tokens=2, model="tiny")
-        assert status == 200
-        holder_name = trace_of(c.url, body)["prefill_node"]
-        holder = next(ch for ch in c.children if ch.name == holder_name)
-        post_json(holder.url + "/admin/drain", {}, ADMIN)
-        wait_until(lambda: get_json(c.url + "/admin/status")[1]["scheduler"]["prefill"]
-                   [holder_name]["accepting"] is False, 5, what="the drain to be seen")
-        holder.proc.kill()  # the conductor still believes it holds the prefix
-        holder.proc.wait()
-        prompt = shared + tokens(8, seed=2)
-        status, body = complete(c.url, prompt, max_tokens=4, model="tiny")
-        assert status == 200, body
-        trace = trace_of(c.url, body)
-        assert trace["transfer_planned_from"] == holder_name
-        assert trace["fetch_failed"] and trace["fetched_tokens"] == 0
-        assert trace["output_token_ids"] == reference_greedy("tiny", prompt, 4)
-        wait_until(lambda: not leaked(c), 10, what="nothing pinned after the failed fetch")
-    finally:
-        c.stop()
+    shared = tokens(96, seed=31)
+    status, body = complete(c.url, shared + tokens(8, seed=1), max_tokens=2, model="tiny")
+    assert status == 200
+    holder_name = trace_of(c.url, body)["prefill_node"]
+    holder = next(ch for ch in c.children if ch.name == holder_name)
+    post_json(holder.url + "/admin/drain", {}, ADMIN)
+    wait_until(lambda: get_json(c.url + "/admin/status")[1]["scheduler"]["prefill"]
+               [holder_name]["accepting"] is False, 5, what="the drain to be seen")
+    holder.proc.kill()  # the conductor still believes it holds the prefix
+    holder.proc.wait()
+    prompt = shared + tokens(8, seed=2)
+    status, body = complete(c.url, prompt, max_tokens=4, model="tiny")
+    assert status == 200, body
+    trace = trace_of(c.url, body)
+    assert trace["transfer_planned_from"] == holder_name
+    assert trace["fetch_failed"] and trace["fetched_tokens"] == 0
+    assert trace["output_token_ids"] == reference_greedy("tiny", prompt, 4)
+    wait_until(lambda: not leaked(c), 10, what="nothing pinned after the failed fetch")

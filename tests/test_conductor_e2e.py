@@ -3,29 +3,24 @@
 from __future__ import annotations
 
 import json
-import random
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.cluster_helpers import complete, start_cluster, trace_of
+from tests.cluster_helpers import complete, running_cluster, tokens, trace_of
 from tests.nodes import post_json
+
+pytestmark = pytest.mark.slow  # real local clusters (node processes)
 
 SYSTEM_TOKENS = 160  # 10 full blocks of 16 tokens: the hot "system prompt"
 
 
 @pytest.fixture(scope="module")
 def mooncake(tmp_path_factory):
-    c = start_cluster(tmp_path_factory.mktemp("mooncake"), prefill=3, decode=1,
-                      extra=["conductor.max_prompt_tokens=2048"])
-    yield c
-    c.stop()
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(256) for _ in range(n)]
+    with running_cluster(tmp_path_factory.mktemp("mooncake"), prefill=3, decode=1,
+                         extra=["conductor.max_prompt_tokens=2048"]) as c:
+        yield c
 
 
 def test_openai_client_completes_and_streams(mooncake):
@@ -95,35 +90,29 @@ def test_hot_prefix_is_replicated_to_every_prefill_node(mooncake):
     assert all(t["cached_tokens"] >= SYSTEM_TOKENS for t in traces)
 
 
-def test_local_cache_aware_never_transfers_and_reuses_less(tmp_path):
-    local = start_cluster(tmp_path, prefill=3, decode=1, extra=["conductor.policy=local_cache_aware"])
-    try:
-        system = tokens(SYSTEM_TOKENS, seed=7)
-        complete(local.url, system + tokens(8, seed=1), max_tokens=2)
-        traces = burst(local.url, system, 8, seed=500)
-    finally:
-        local.stop()
+def test_local_cache_aware_never_transfers_and_reuses_less(local_cluster):
+    local = local_cluster(prefill=3, decode=1, extra=["conductor.policy=local_cache_aware"])
+    system = tokens(SYSTEM_TOKENS, seed=7)
+    complete(local.url, system + tokens(8, seed=1), max_tokens=2)
+    traces = burst(local.url, system, 8, seed=500)
     assert all(t["fetched_tokens"] == 0 and t["transfer_planned_from"] is None for t in traces)
     # Under `mooncake` every request of such a burst reuses the whole system
     # prompt (test above); here a node without it recomputes it.
     assert {t["policy"] for t in traces} == {"local_cache_aware"}
 
 
-def test_predicted_slo_miss_is_rejected_with_429(tmp_path):
-    strict = start_cluster(tmp_path, prefill=1, decode=1, extra=["conductor.ttft_slo_s=0.000001"])
-    try:
-        status, body = complete(strict.url, tokens(40, seed=3), max_tokens=3)
-        assert status == 429 and body["error"]["code"] == "ttft_slo"
-        req = urllib.request.Request(strict.url + "/v1/completions", method="POST",
-                                     data=json.dumps({"model": "tiny", "prompt": [1, 2, 3]}).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with pytest.raises(urllib.error.HTTPError) as err:
-            urllib.request.urlopen(req, timeout=30)
-        assert err.value.code == 429 and int(err.value.headers["Retry-After"]) >= 1
-        with urllib.request.urlopen(strict.url + "/metrics", timeout=10) as resp:
-            assert 'mooncaked_rejections_total{reason="ttft_slo"} 2.0' in resp.read().decode()
-    finally:
-        strict.stop()
+def test_predicted_slo_miss_is_rejected_with_429(local_cluster):
+    strict = local_cluster(prefill=1, decode=1, extra=["conductor.ttft_slo_s=0.000001"])
+    status, body = complete(strict.url, tokens(40, seed=3), max_tokens=3)
+    assert status == 429 and body["error"]["code"] == "ttft_slo"
+    req = urllib.request.Request(strict.url + "/v1/completions", method="POST",
+                                 data=json.dumps({"model": "tiny", "prompt": [1, 2, 3]}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    assert err.value.code == 429 and int(err.value.headers["Retry-After"]) >= 1
+    with urllib.request.urlopen(strict.url + "/metrics", timeout=10) as resp:
+        assert 'mooncaked_rejections_total{reason="ttft_slo"} 2.0' in resp.read().decode()
 
 
 def test_operator_replicates_a_prefix_to_more_nodes(mooncake):
@@ -154,19 +143,16 @@ def test_conductor_metrics_cover_latency_cache_and_per_node_load(mooncake):
     assert "mooncaked_ttft_prediction_error_seconds" in values
 
 
-def test_cluster_token_guards_every_internal_endpoint(tmp_path):
-    secured = start_cluster(tmp_path, prefill=2, decode=1, extra=["node.cluster_token=s3cret"])
-    try:
-        shared = tokens(48, seed=5)
-        for suffix in (1, 2):  # the second may pull from the first's node: peers authenticate too
-            status, body = complete(secured.url, shared + tokens(10, seed=suffix), max_tokens=3)
-            assert status == 200, body
-        for child in secured.children:
-            path = "/internal/nodes/register" if child.role == "conductor" else \
-                "/internal/prefill" if child.role == "prefill" else "/internal/decode/reserve"
-            status, body = post_json(child.url + path, {})
-            assert status == 401, (child.name, status, body)
-            status, _ = post_json(child.url + path, {}, {"Authorization": "Bearer s3cret"})
-            assert status in (400, 404), child.name  # authenticated: now it is the body that is wrong
-    finally:
-        secured.stop()
+def test_cluster_token_guards_every_internal_endpoint(local_cluster):
+    secured = local_cluster(prefill=2, decode=1, extra=["node.cluster_token=s3cret"])
+    shared = tokens(48, seed=5)
+    for suffix in (1, 2):  # the second may pull from the first's node: peers authenticate too
+        status, body = complete(secured.url, shared + tokens(10, seed=suffix), max_tokens=3)
+        assert status == 200, body
+    for child in secured.children:
+        path = "/internal/nodes/register" if child.role == "conductor" else \
+            "/internal/prefill" if child.role == "prefill" else "/internal/decode/reserve"
+        status, body = post_json(child.url + path, {})
+        assert status == 401, (child.name, status, body)
+        status, _ = post_json(child.url + path, {}, {"Authorization": "Bearer s3cret"})
+        assert status in (400, 404), child.name  # authenticated: now it is the body that is wrong

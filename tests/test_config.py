@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mooncaked.node.config import ConfigError, NodeConfig, load_config
-from tests.nodes import REPO
+from tests.paths import REPO
 
 
 def test_defaults_file_matches_builtin_defaults():

@@ -12,9 +12,8 @@ from kvstore.layout import PageLayout
 from model.config import RuntimeConfig, page_layout, stage_layers
 from model.runner import ModelRunner, chunk_bounds, kv_pages_view
 from model.weights import load_weights
-from mooncaked.launcher import LocalCluster
 from roles.scheduling.estimators import PipelinePrefillEstimator, PolynomialPrefillEstimator
-from tests.cluster_helpers import TINY, complete, leaked, reference_greedy, trace_of
+from tests.cluster_helpers import complete, leaked, reference_greedy, tokens, trace_of
 
 MODEL = "dummy"  # 4 layers: splits into 2 or 3 stages
 
@@ -64,32 +63,24 @@ def test_stage_runner_with_stage_only_pages_matches_the_whole_model():
     assert torch.allclose(x, expected, atol=1e-4)
 
 
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(256) for _ in range(n)]
-
-
+@pytest.mark.slow  # a local cluster with a CPP group
 @pytest.mark.parametrize("stages", [2, 3])
-def test_group_tokens_equal_single_node_reference(tmp_path, stages):
-    cluster = LocalCluster(prefill=0, decode=1, model=MODEL, log_dir=tmp_path, cpp_group=stages,
-                           overrides=TINY + ["model.prefill_chunk=32"])
-    try:
-        cluster.start(timeout_s=90)
-        for length in (9, 40, 101):  # one chunk, two chunks, four chunks
-            prompt = tokens(length, seed=length + stages)
-            expected = reference_greedy(MODEL, prompt, 6)
-            for attempt in range(2):  # the second time with its prefix cached
-                status, body = complete(cluster.url, prompt, max_tokens=6, model=MODEL)
-                assert status == 200, body
-                trace = trace_of(cluster.url, body)
-                assert trace["prefill_node"] == "cpp:cpp0"
-                assert trace["output_token_ids"] == expected, (length, attempt)
-                assert trace["cpp"]["stages"] == stages
-                cached = trace["cached_tokens"]
-                assert cached == (0 if attempt == 0 else (length - 1) // 16 * 16)
-                # Hidden states cross each boundary once per computed token.
-                hidden = 512 * 4
-                assert trace["cpp"]["boundary_bytes"] == (stages - 1) * (length - cached) * hidden
-        assert leaked(cluster) == {}
-    finally:
-        cluster.stop()
+def test_group_tokens_equal_single_node_reference(local_cluster, stages):
+    cluster = local_cluster(prefill=0, decode=1, model=MODEL, cpp_group=stages,
+                            extra=["model.prefill_chunk=32"])
+    for length in (9, 40, 101):  # one chunk, two chunks, four chunks
+        prompt = tokens(length, seed=length + stages)
+        expected = reference_greedy(MODEL, prompt, 6)
+        for attempt in range(2):  # the second time with its prefix cached
+            status, body = complete(cluster.url, prompt, max_tokens=6, model=MODEL)
+            assert status == 200, body
+            trace = trace_of(cluster.url, body)
+            assert trace["prefill_node"] == "cpp:cpp0"
+            assert trace["output_token_ids"] == expected, (length, attempt)
+            assert trace["cpp"]["stages"] == stages
+            cached = trace["cached_tokens"]
+            assert cached == (0 if attempt == 0 else (length - 1) // 16 * 16)
+            # Hidden states cross each boundary once per computed token.
+            hidden = 512 * 4
+            assert trace["cpp"]["boundary_bytes"] == (stages - 1) * (length - cached) * hidden
+    assert leaked(cluster) == {}

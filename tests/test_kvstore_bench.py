@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from kvstore.bench import run
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = {"layers": 2, "kv_heads": 1, "head_dim": 8, "dtype": "float32", "block_size": 16,
         "pages": 4, "iters": 3, "match_blocks": 8, "match_iters": 5, "ssd_pages": 2}
 
@@ -36,6 +35,7 @@ def test_bad_options_rejected() -> None:
         run({**TINY, "iters": 0})
 
 
+@pytest.mark.slow  # a second Python process
 def test_module_entry_point_prints_json() -> None:
     args = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]
     proc = subprocess.run([sys.executable, "-m", "kvstore.bench", *args], cwd=REPO,

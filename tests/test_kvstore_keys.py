@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,8 +14,7 @@ import xxhash
 from kvstore.config import DEFAULT_HASH_SEED
 from kvstore.keys import (BlockHasher, block_keys, token_bytes, trace_block_keys,
                           trace_token_ids)
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.paths import REPO
 
 # Keep in sync with docs/kvstore.md, "Test vectors".
 VECTORS = {
@@ -52,6 +50,7 @@ def _compute_in_subprocess(hash_seed: str) -> dict:
     return json.loads(out.stdout)
 
 
+@pytest.mark.slow  # two more Python processes
 def test_vectors_in_two_separate_processes() -> None:
     first = _compute_in_subprocess("1")
     second = _compute_in_subprocess("12345")

@@ -16,11 +16,14 @@ import tempfile
 from collections import OrderedDict
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvstore import (BlockPinnedError, KeyCollisionError, PageLayout, StoreConfig, StoreFullError,
                      StoreShard)
+
+pytestmark = pytest.mark.slow  # two state machines of ~10 s each
 
 LAYOUT = PageLayout(num_layers=2, block_size=16, num_kv_heads=1, head_dim=4)  # 1 KiB pages
 NUM_PAGES = 6

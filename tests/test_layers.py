@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.paths import REPO as ROOT
+
 PACKAGES = ("mooncaked", "roles", "kvstore", "model", "rdma")
 
 

@@ -6,13 +6,12 @@ import random
 
 import torch
 
-from model.config import RuntimeConfig, page_layout
+from model.config import page_layout
 from model.runner import ModelRunner, kv_pages_view
-from model.weights import load_weights
 
 
-def test_prefill_batch_equals_each_request_alone():
-    weights = load_weights(RuntimeConfig(model="tiny"))
+def test_prefill_batch_equals_each_request_alone(tiny_weights):
+    weights = tiny_weights
     layout = page_layout(weights.config, 16)
     rng = random.Random(5)
     # (length, cached prefix): no prefix, a block-aligned prefix, one token left.

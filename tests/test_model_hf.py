@@ -16,6 +16,8 @@ from model.config import page_layout  # noqa: E402
 from model.runner import DecodeSeq, ModelRunner, kv_pages_view  # noqa: E402
 from model.weights import load_checkpoint  # noqa: E402
 
+pytestmark = pytest.mark.slow  # builds and saves transformers models: ~10 s
+
 torch.set_num_threads(1)
 BLOCK = 8
 

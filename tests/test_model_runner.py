@@ -202,6 +202,7 @@ def _weights_checksum(seed: int) -> float:
         [w.embed, w.lm_head] + [lw.qkv for lw in w.layers] + [lw.down for lw in w.layers])))
 
 
+@pytest.mark.slow  # a second Python process
 def test_dummy_weights_are_deterministic_across_processes_and_stages():
     here = _weights_checksum(11)
     code = ("import sys; sys.path.insert(0, '.'); "

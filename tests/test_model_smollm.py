@@ -24,6 +24,8 @@ from model.runner import DecodeSeq, ModelRunner, kv_pages_view  # noqa: E402
 from model.tokenizer import load_tokenizer  # noqa: E402
 from model.weights import load_checkpoint  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a 135M-parameter model: about a minute
+
 torch.set_num_threads(2)
 BLOCK = 16
 PROMPTS = ["What is the capital of France?", "Name three colors.", "What is 2 + 3?"]

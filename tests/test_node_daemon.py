@@ -29,6 +29,7 @@ def cluster(tmp_path):
         node.kill()
 
 
+@pytest.mark.slow  # node processes
 def test_every_role_serves_admin_endpoints_and_registers(cluster):
     conductor = cluster("conductor", *FAST)
     conductor.wait_ready()
@@ -50,6 +51,7 @@ def test_every_role_serves_admin_endpoints_and_registers(cluster):
     assert {n.split("-")[0] for n in registered} == {"prefill", "decode"}
 
 
+@pytest.mark.slow  # node processes
 def test_killed_node_disappears_and_sigterm_exits_zero(cluster):
     conductor = cluster("conductor", *FAST)
     conductor.wait_ready()
@@ -76,6 +78,7 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 60) -> subproc
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow  # a CLI process per case
 @pytest.mark.parametrize("args,needle", [
     (["--set", "store.blok_size=16"], "store.blok_size"),
     (["--set", "store.block_size=7"], "store.block_size"),
@@ -90,6 +93,7 @@ def test_bad_config_exits_nonzero_with_one_line(args, needle):
     assert needle in lines[0] and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # a CLI process per case
 def test_bad_config_file_and_env_are_reported(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[store]\nblock_size = 'big'\n")
@@ -100,6 +104,7 @@ def test_bad_config_file_and_env_are_reported(tmp_path):
     assert result.returncode != 0 and "MOONCAKED_NODE__HEARTBEAT_TIMEOUT_S" in result.stderr
 
 
+@pytest.mark.slow  # a CLI process per case
 def test_unreachable_conductor_exits_nonzero_with_one_line():
     port = free_port()  # nothing listens there
     result = run_cli("--role", "prefill", "--port", "0", *SMALL, "--conductor", f"http://127.0.0.1:{port}",
@@ -109,6 +114,7 @@ def test_unreachable_conductor_exits_nonzero_with_one_line():
     assert last.startswith("mooncaked: cannot reach conductor") and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # node processes
 def test_sd_notify_ready_and_stopping(tmp_path):
     path = str(tmp_path / "notify.sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -126,6 +132,7 @@ def test_sd_notify_ready_and_stopping(tmp_path):
         sock.close()
 
 
+@pytest.mark.slow  # node processes
 def test_admin_state_changes_need_the_bearer_token(cluster):
     conductor = cluster("conductor", "--set", "node.admin_token=s3cret")
     conductor.wait_ready()
@@ -141,6 +148,7 @@ def test_admin_state_changes_need_the_bearer_token(cluster):
     assert get_json(conductor.url + "/readyz")[0] == 200
 
 
+@pytest.mark.slow  # node processes
 def test_admin_state_changes_disabled_without_token(cluster):
     conductor = cluster("conductor")
     conductor.wait_ready()
@@ -156,6 +164,7 @@ def _descendants(pid: int) -> set[int]:
     return kids
 
 
+@pytest.mark.slow  # node processes
 def test_up_brings_a_cluster_up_and_down_without_leftovers(tmp_path):
     proc = subprocess.Popen(mooncaked_cmd("up", "--prefill", "1", "--decode", "1", *SMALL, *FAST,
                                           "--log-dir", str(tmp_path / "logs")),

@@ -211,6 +211,7 @@ def test_valid_raw_frame_then_oob_on_same_connection(peer):
 
 # -- failures ---------------------------------------------------------------
 
+@pytest.mark.slow  # peer processes of its own, waits out timeouts
 async def test_kill_9_fails_pending_within_timeout():
     size = 64 << 20
     victim = PeerProcess("V", size, token=TOKEN)
@@ -242,6 +243,7 @@ async def test_kill_9_fails_pending_within_timeout():
         victim.close()
 
 
+@pytest.mark.slow  # peer processes of its own, waits out timeouts
 async def test_stopped_peer_times_out_not_hangs():
     victim = PeerProcess("S", 32 << 20, token=TOKEN)
     try:
@@ -262,6 +264,7 @@ async def test_stopped_peer_times_out_not_hangs():
         victim.close()
 
 
+@pytest.mark.slow  # peer processes of its own, waits out timeouts
 async def test_endpoint_pool_bound_with_real_connections():
     peers = [PeerProcess(f"P{i}", 1 << 20, token=TOKEN) for i in range(3)]
     try:

@@ -20,6 +20,10 @@ import sys
 
 import pytest
 
+# Root, `ip netns` and processes in namespaces: netns, and slow like every
+# multi-process test (the fast lane is `-m "not slow"`).
+pytestmark = [pytest.mark.netns, pytest.mark.slow]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NET = "10.231"  # private range, only configured inside the test namespaces
 TOKEN = "netns-secret"

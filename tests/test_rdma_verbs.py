@@ -35,6 +35,16 @@ def _qp_connect(lst, body: bytes):
     return s, key
 
 
+def _assert_dropped(s: socket.socket) -> None:
+    """The listener closed the connection (EOF or reset), then we close ours."""
+    s.settimeout(5)
+    try:
+        assert s.recv(1) == b""
+    except ConnectionResetError:
+        pass
+    s.close()
+
+
 def test_qp_exchange_and_cleanup_on_close():
     seen, cleaned = [], []
 
@@ -64,12 +74,7 @@ def test_qp_exchange_rejects_garbage(body):
     lst = _listener(lambda req: ({}, lambda: None))
     try:
         s, _ = _qp_connect(lst, body)
-        s.settimeout(5)
-        try:
-            assert s.recv(1) == b""
-        except ConnectionResetError:
-            pass
-        s.close()
+        _assert_dropped(s)
         assert lst.refused == 1
     finally:
         lst.close()
@@ -79,12 +84,7 @@ def test_qp_connect_refused_on_tcp_only_listener():
     lst = _listener(None)
     try:
         s, _ = _qp_connect(lst, b"{}")
-        s.settimeout(5)
-        try:
-            assert s.recv(1) == b""
-        except ConnectionResetError:
-            pass
-        s.close()
+        _assert_dropped(s)
     finally:
         lst.close()
 

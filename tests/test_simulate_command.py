@@ -6,7 +6,7 @@ import typer
 from typer.testing import CliRunner
 
 from mooncaked.simulate.command import register
-from tests.paths import SYNTHETIC_TRACE
+from tests.paths import SYNTHETIC_TRACE, needs_trace
 
 TRACE = SYNTHETIC_TRACE
 
@@ -22,7 +22,8 @@ def app() -> typer.Typer:
     return a
 
 
-@pytest.mark.skipif(not TRACE.is_file(), reason=f"trace {TRACE} not present")
+@pytest.mark.slow  # simulates and plots 60 requests
+@needs_trace
 def test_simulate_writes_json_and_plots(tmp_path):
     r = CliRunner().invoke(app(), ["simulate", "--trace", str(TRACE), "--prefill", "3",
                                    "--decode", "2", "--max-requests", "60",
@@ -36,9 +37,8 @@ def test_simulate_writes_json_and_plots(tmp_path):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
 
 
-def test_simulate_bad_input(tmp_path):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}\n')
+def test_simulate_bad_input(bad_trace):
+    bad = bad_trace
     r = CliRunner().invoke(app(), ["simulate", "--trace", str(bad)])
     assert r.exit_code == 2 and "bad.jsonl:1" in r.output
     r = CliRunner().invoke(app(), ["simulate", "--trace", str(bad), "--policy", "bogus"])

@@ -116,6 +116,7 @@ def test_lru_shard_pins_and_evicts():
     assert s.prefix_blocks([1, 4, 9]) == 2
 
 
+@pytest.mark.slow  # the whole synthetic trace
 @needs_trace
 def test_unbounded_hit_rate_equals_theoretical_max():
     reqs = load_trace(str(TRACE), limit=500)

@@ -1,0 +1,282 @@
+"""The decode node's continuous batcher (roles/decode/batcher.py) in one process.
+
+A stand-in worker holds what ``WorkerNode`` would: a real store shard, the
+tiny model's ``ModelRunner`` viewing the shard's pages, and one compute
+thread.  The test plays the prefill node: it prefills the prompt into the
+reserved pages and hands the first token to ``start``.  Expected tokens come
+from an independent single-sequence greedy decode (``reference_greedy``:
+its own weights and buffer, no batcher).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from kvstore import StoreConfig, StoreFullError, StoreShard
+from model.config import page_layout
+from model.runner import ModelRunner, kv_pages_view
+from model.sampling import SamplingParams
+from roles.decode.batcher import DecodeBatcher
+from tests.cluster_helpers import reference_greedy, tokens
+
+BLOCK = 16
+
+
+class TinyWorker:
+    """What DecodeBatcher uses of a WorkerNode: shard, layout, runner, compute."""
+
+    def __init__(self, weights, pages: int) -> None:
+        self.layout = page_layout(weights.config, BLOCK)
+        self.shard = StoreShard(StoreConfig(block_size=BLOCK, capacity_bytes=pages * self.layout.page_bytes,
+                                            prefault=False, hugepages=False), self.layout)
+        self.runner = ModelRunner(weights, kv_pages_view(self.shard.buffer, self.layout))
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        # One entry per decode step: the first page of every sequence in it
+        # (a reservation's pages are its own, so this names the sequence).
+        self.batches: list[list[int]] = []
+
+    async def compute(self, fn, *args):
+        if fn == self.runner.decode_step:
+            self.batches.append([seq.block_table[0] for seq in args[0]])
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+
+@pytest.fixture
+async def make_batcher(tiny_weights):
+    made: list[tuple[DecodeBatcher, TinyWorker]] = []
+
+    def make(pages: int = 64, max_batch: int = 8, reservation_timeout_s: float = 60.0,
+             eos_ids: tuple[int, ...] = ()) -> tuple[DecodeBatcher, TinyWorker]:
+        worker = TinyWorker(tiny_weights, pages)
+        batcher = DecodeBatcher(worker, max_batch, reservation_timeout_s, list(eos_ids))
+        batcher.run()
+        made.append((batcher, worker))
+        return batcher, worker
+
+    yield make
+    for batcher, worker in made:
+        await batcher.close()
+        worker.pool.shutdown(wait=True)
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True, **kw})
+
+
+async def prefill(batcher: DecodeBatcher, worker: TinyWorker, request_id: str,
+                  prompt: list[int], max_tokens: int) -> int:
+    """Reserve, then do the prefill node's part: KV into the reserved pages, first token."""
+    pages = batcher.reserve(request_id, len(prompt) + max_tokens)
+    logits = await worker.compute(worker.runner.prefill, prompt, pages, 0)
+    return int(torch.argmax(logits))
+
+
+async def drain(queue: asyncio.Queue, until: int | None = None) -> tuple[list[int], str | None]:
+    """Streamed tokens and the finish reason ("released" when the pages were
+    taken away); with ``until``, stop after that many tokens (finish None)."""
+    streamed: list[int] = []
+    while until is None or len(streamed) < until:
+        item = await asyncio.wait_for(queue.get(), timeout=30)
+        if item is None:
+            return streamed, "released"
+        token, _, finish = item
+        streamed.append(token)
+        if finish is not None:
+            return streamed, finish
+    return streamed, None
+
+
+def free_pages(batcher: DecodeBatcher) -> int:
+    return batcher.shard.stats().free_pages
+
+
+# ---- reservations -------------------------------------------------------------
+
+async def test_reservations_take_whole_private_pages_all_or_nothing(make_batcher):
+    batcher, _ = make_batcher(pages=8)
+    assert len(batcher.reserve("a", 33)) == 3              # ceil(33 / 16)
+    assert batcher.shard.stats().private_pages == 3 and free_pages(batcher) == 5
+    with pytest.raises(ValueError, match="already has a reservation"):
+        batcher.reserve("a", 1)
+    with pytest.raises(StoreFullError):
+        batcher.reserve("b", 5 * BLOCK + 1)                 # 6 pages, 5 left
+    assert free_pages(batcher) == 5 and "b" not in batcher.seqs
+    assert len(batcher.reserve("b", 5 * BLOCK)) == 5
+    assert free_pages(batcher) == 0 and batcher.load()["reservations"] == 2
+    assert batcher.release("a", "cancelled") is True and free_pages(batcher) == 3
+    assert batcher.release("a", "cancelled") is False
+    assert batcher.touch("a") is False and batcher.touch("b") is True
+
+
+async def test_start_needs_a_big_enough_unused_reservation(make_batcher):
+    batcher, _ = make_batcher()
+    with pytest.raises(KeyError):
+        batcher.start("nobody", 4, 1, greedy(2))
+    batcher.reserve("a", 20)                                # 2 pages: 32 tokens
+    with pytest.raises(ValueError, match="too small"):
+        batcher.start("a", 30, 1, greedy(3))                # 33 > 32
+    queue = batcher.start("a", 29, 1, greedy(3))            # 32 fits
+    with pytest.raises(ValueError, match="already started"):
+        batcher.start("a", 29, 1, greedy(3))
+    streamed, finish = await drain(queue)
+    assert len(streamed) == 2 and finish == "length"          # first token + 2 decoded
+
+
+# ---- generation ----------------------------------------------------------------
+
+async def test_one_sequence_decodes_the_reference_tokens(make_batcher):
+    batcher, worker = make_batcher(pages=16)
+    prompt = tokens(37, seed=1)
+    first = await prefill(batcher, worker, "r", prompt, 12)
+    streamed, finish = await drain(batcher.start("r", len(prompt), first, greedy(12)))
+    assert [first, *streamed] == reference_greedy("tiny", prompt, 12)
+    assert finish == "length"
+    assert batcher.steps == 11 and len(worker.batches) == 11  # the first token was prefill's
+    assert batcher.tokens_out == 12
+    # Finished, but the pages stay reserved until the caller releases them.
+    assert batcher.load()["batch_size"] == 0 and batcher.load()["reservations"] == 1
+    assert free_pages(batcher) == 16 - 4                      # ceil(49 / 16)
+    batcher.release("r", finish)
+    assert free_pages(batcher) == 16 and batcher.shard.stats().private_pages == 0
+
+
+async def test_sequences_share_steps_and_a_late_one_joins_the_running_batch(make_batcher):
+    batcher, worker = make_batcher(pages=32)
+    reqs = {"a": (tokens(5, 2), 16), "b": (tokens(20, 3), 9), "c": (tokens(47, 4), 12)}
+    firsts = {rid: await prefill(batcher, worker, rid, p, n) for rid, (p, n) in reqs.items()}
+    page = {rid: batcher.seqs[rid].pages[0] for rid in reqs}
+
+    def go(rid: str) -> asyncio.Queue:
+        prompt, n = reqs[rid]
+        return batcher.start(rid, len(prompt), firsts[rid], greedy(n))
+
+    queues = {"a": go("a"), "b": go("b")}
+    got = {rid: [firsts[rid]] for rid in reqs}
+    early, _ = await drain(queues["a"], until=3)             # a and b are running now
+    got["a"] += early
+    queues["c"] = go("c")
+    finishes = {}
+    for rid, queue in queues.items():
+        streamed, finishes[rid] = await drain(queue)
+        got[rid] += streamed
+    for rid, (prompt, n) in reqs.items():
+        assert got[rid] == reference_greedy("tiny", prompt, n), rid
+    assert finishes == {"a": "length", "b": "length", "c": "length"}
+    # Each sequence was in exactly max_tokens - 1 steps ...
+    for rid, (_, n) in reqs.items():
+        assert sum(page[rid] in step for step in worker.batches) == n - 1, rid
+    # ... a and b from the first step on, and c joined while they still ran.
+    assert worker.batches[0] == [page["a"], page["b"]]
+    joined = next(i for i, step in enumerate(worker.batches) if page["c"] in step)
+    assert joined >= 3 and set(worker.batches[joined]) == set(page.values())
+    assert len(worker.batches) < sum(n - 1 for _, n in reqs.values())
+
+
+async def test_max_batch_bounds_every_step_and_the_rest_waits_its_turn(make_batcher):
+    batcher, worker = make_batcher(pages=32, max_batch=2)
+    prompts = {rid: tokens(10 + i, 10 + i) for i, rid in enumerate("abc")}
+    firsts = {rid: await prefill(batcher, worker, rid, p, 6) for rid, p in prompts.items()}
+    page = {rid: batcher.seqs[rid].pages[0] for rid in prompts}
+    queues = {rid: batcher.start(rid, len(p), firsts[rid], greedy(6)) for rid, p in prompts.items()}
+    assert batcher.load()["waiting"] == 3                    # the loop has not run yet
+    for rid, prompt in prompts.items():
+        streamed, finish = await drain(queues[rid])
+        assert [firsts[rid], *streamed] == reference_greedy("tiny", prompt, 6) and finish == "length"
+    # a and b take 5 steps together; c enters only when they have left.
+    assert worker.batches == [[page["a"], page["b"]]] * 5 + [[page["c"]]] * 5
+
+
+def first_new_token(ids: list[int]) -> int:
+    """An index i >= 1 whose token does not occur before it."""
+    return next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])
+
+
+async def test_stop_tokens_and_eos_end_a_sequence_early(make_batcher):
+    prompt = tokens(25, seed=6)
+    ref = reference_greedy("tiny", prompt, 10)
+    k = first_new_token(ref)
+    stop = ref[k]
+    # A stop token id of the request.
+    batcher, worker = make_batcher()
+    first = await prefill(batcher, worker, "s", prompt, 10)
+    streamed, finish = await drain(batcher.start("s", len(prompt), first, greedy(10, stop_token_ids=[stop])))
+    assert [first, *streamed] == ref[:k + 1] and finish == "stop"
+    assert batcher.steps == k
+    # The model's EOS stops it too, unless the request ignores EOS.
+    batcher, worker = make_batcher(eos_ids=(stop,))
+    for rid, ignore, want, why in (("e", False, ref[:k + 1], "stop"), ("i", True, ref, "length")):
+        first = await prefill(batcher, worker, rid, prompt, 10)
+        streamed, finish = await drain(batcher.start(rid, len(prompt), first, greedy(10, ignore_eos=ignore)))
+        assert ([first, *streamed], finish) == (want, why), rid
+
+
+async def test_a_first_token_that_stops_never_reaches_the_batch(make_batcher):
+    batcher, worker = make_batcher()
+    prompt = tokens(9, seed=8)
+    first = await prefill(batcher, worker, "x", prompt, 5)
+    queue = batcher.start("x", len(prompt), first, greedy(5, stop_token_ids=[first]))
+    assert queue.get_nowait() == (first, 0.0, "stop")
+    one = await prefill(batcher, worker, "y", prompt, 1)
+    assert batcher.start("y", len(prompt), one, greedy(1)).get_nowait() == (one, 0.0, "length")
+    await asyncio.sleep(0.05)
+    assert batcher.steps == 0 and worker.batches == [] and batcher.load()["waiting"] == 0
+
+
+async def test_cancel_mid_generation_frees_the_pages_and_the_others_carry_on(make_batcher):
+    batcher, worker = make_batcher(pages=24)
+    long_prompt, short_prompt = tokens(10, 20), tokens(30, 21)
+    long_first = await prefill(batcher, worker, "long", long_prompt, 200)   # 14 pages
+    short_first = await prefill(batcher, worker, "short", short_prompt, 20)  # 4 pages
+    assert free_pages(batcher) == 24 - 14 - 4
+    long_q = batcher.start("long", len(long_prompt), long_first, greedy(200))
+    short_q = batcher.start("short", len(short_prompt), short_first, greedy(20))
+    early, _ = await drain(long_q, until=4)
+    long_page = batcher.seqs["long"].pages[0]
+    steps_before = sum(long_page in step for step in worker.batches)
+    assert batcher.release("long", "cancelled") is True
+    assert free_pages(batcher) == 24 - 4                     # only short's pages remain
+    assert batcher.release("long", "cancelled") is False
+    rest, why = await drain(long_q)
+    assert why == "released"                                  # the stream ends with None
+    streamed = early + rest
+    assert [long_first, *streamed] == reference_greedy("tiny", long_prompt, len(streamed) + 1)
+    streamed, finish = await drain(short_q)
+    assert [short_first, *streamed] == reference_greedy("tiny", short_prompt, 20) and finish == "length"
+    # At most the step already computing when it was cancelled still had it.
+    assert sum(long_page in step for step in worker.batches) <= steps_before + 1
+    batcher.release("short", finish)
+    assert free_pages(batcher) == 24
+
+
+async def test_unstarted_reservations_expire_unless_touched(make_batcher):
+    batcher, worker = make_batcher(pages=16, reservation_timeout_s=0.2)  # swept every 0.05 s
+    batcher.reserve("idle", 16)
+    batcher.reserve("kept", 16)
+    prompt = tokens(8, seed=9)
+    first = await prefill(batcher, worker, "started", prompt, 2)
+    await drain(batcher.start("started", len(prompt), first, greedy(2)))
+    for _ in range(8):                                       # 0.4 s, twice the timeout
+        assert batcher.touch("kept")
+        await asyncio.sleep(0.05)
+    assert set(batcher.seqs) == {"kept", "started"}          # started ones never expire
+    assert batcher.touch("idle") is False
+    assert free_pages(batcher) == 16 - 2
+    await asyncio.sleep(0.5)                                  # nobody touches it now
+    assert set(batcher.seqs) == {"started"} and free_pages(batcher) == 16 - 1
+
+
+async def test_close_releases_every_reservation_and_ends_every_stream(make_batcher):
+    batcher, worker = make_batcher(pages=16)
+    batcher.reserve("waiting-for-prefill", 40)
+    prompt = tokens(12, seed=10)
+    first = await prefill(batcher, worker, "running", prompt, 100)
+    queue = batcher.start("running", len(prompt), first, greedy(100))
+    await drain(queue, until=2)
+    await batcher.close()
+    assert batcher.seqs == {} and free_pages(batcher) == 16
+    _, why = await drain(queue)
+    assert why == "released"

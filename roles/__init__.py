@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from mooncaked.node.context import NodeContext
 
-def setup_role(app: web.Application, ctx) -> None:  # ctx: mooncaked.node.context.NodeContext
+
+def setup_role(app: web.Application, ctx: NodeContext) -> None:
     role = ctx.config.node.role
     if role == "conductor":
         from roles.conductor.app import setup_conductor

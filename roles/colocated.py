@@ -11,14 +11,15 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from mooncaked.node.context import NodeContext
 from roles.decode.app import add_decode_service
 from roles.prefill.app import add_prefill_service
 from roles.worker import add_membership
 from roles.worker_node import add_worker_resources
 
 
-def setup_colocated(app: web.Application, ctx) -> None:
-    worker = add_worker_resources(app, ctx)
-    add_prefill_service(app, ctx, worker)
-    add_decode_service(app, ctx, worker)
+def setup_colocated(app: web.Application, ctx: NodeContext) -> None:
+    add_worker_resources(app, ctx)
+    add_prefill_service(app, ctx)
+    add_decode_service(app, ctx)
     add_membership(app, ctx)

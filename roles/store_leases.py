@@ -26,6 +26,7 @@ from mooncaked.node.errors import ApiError
 from mooncaked.node.internal_client import read_message, reply
 from mooncaked.node.messages import LeaseGrant, LeaseRelease, LeaseRequest, Released, Route
 from mooncaked.node.tasks import cancel_and_wait
+from roles.worker_node import WORKER
 
 log = logging.getLogger("mooncaked.leases")
 MAX_TTL_S = 120.0
@@ -71,12 +72,15 @@ class LeaseTable:
 LEASES = web.AppKey("leases", LeaseTable)
 
 
-def add_lease_routes(app: web.Application, worker) -> None:
+def add_lease_routes(app: web.Application) -> None:
+    """Lease routes over the node's open worker (``app[WORKER]``)."""
+
     async def lease(request: web.Request) -> web.Response:
         req = await read_message(request, LeaseRequest, 8 << 20)
         if not 0 < req.ttl_s <= MAX_TTL_S:
             raise ApiError(400, f"lease.ttl_s: must be in (0, {MAX_TTL_S}]", param="lease.ttl_s")
         lease_id, pages = request.app[LEASES].grant(req.keys, req.ttl_s, time.monotonic())
+        worker = request.app[WORKER]
         return reply(LeaseGrant(lease_id=lease_id, pages=pages, region=worker.region_id,
                                 segment=worker.engine.name))
 
@@ -85,7 +89,7 @@ def add_lease_routes(app: web.Application, worker) -> None:
         return reply(Released(released=request.app[LEASES].release(req.lease_id)))
 
     async def leases_ctx(app: web.Application):
-        table = LeaseTable(worker.shard)
+        table = LeaseTable(app[WORKER].shard)
         app[LEASES] = table
 
         async def expire_loop() -> None:

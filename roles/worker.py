@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from mooncaked.node.membership import ConductorUnreachable, MembershipClient
+from mooncaked.node.context import NodeContext
 from mooncaked.node.errors import StartupError
+from mooncaked.node.membership import ConductorUnreachable, MembershipClient
 
 
-def add_membership(app: web.Application, ctx) -> None:
+def add_membership(app: web.Application, ctx: NodeContext) -> None:
     """Register with the conductor once every other resource is up (append last)."""
 
     async def membership(app: web.Application):

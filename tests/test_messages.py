@@ -368,7 +368,7 @@ async def test_worker_routes_answer_a_malformed_body_with_400_naming_the_field(r
     app = web.Application(middlewares=[error_middleware])
     app[WORKER] = _StubWorker()
     app[decode_app.BATCHER] = batcher = _StubBatcher()
-    add_lease_routes(app, _StubWorker())
+    add_lease_routes(app)
     for path, handler in ((Route.PREFILL, prefill_app.prefill),
                           (Route.PREFILL_CANCEL, prefill_app.cancel),
                           (Route.PREFETCH, prefill_app.prefetch_blocks),

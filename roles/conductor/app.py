@@ -18,7 +18,7 @@ from aiohttp import web
 from model.config import load_model_config
 from model.tokenizer import load_tokenizer
 from kvstore.keys import block_keys
-from mooncaked.node.context import CTX
+from mooncaked.node.context import CTX, NodeContext
 from mooncaked.node.errors import (ApiError, StartupError, json_response, read_json,
                                    require_bearer)
 from mooncaked.node.internal_client import PREFETCH_TIMEOUT_S, InternalClient
@@ -116,7 +116,7 @@ async def cache_replicate(request: web.Request) -> web.Response:
     return json_response({"holders_before": [r.node_id for r in holders], "replicated": results})
 
 
-def setup_conductor(app: web.Application, ctx) -> None:
+def setup_conductor(app: web.Application, ctx: NodeContext) -> None:
     cfg = ctx.config
     registry = setup_membership(app, cfg.node.heartbeat_timeout_s)
     try:

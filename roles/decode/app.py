@@ -19,6 +19,7 @@ from aiohttp import web
 
 from kvstore.shard import StoreFullError
 from model.tokenizer import load_tokenizer
+from mooncaked.node.context import NodeContext
 from mooncaked.node.errors import ApiError, read_json
 from mooncaked.node.internal_client import bad_message, read_message, reply
 from mooncaked.node.messages import (Cancelled, DecodeStart, MessageError, Ok, RequestRef,
@@ -97,11 +98,13 @@ async def cancel(request: web.Request) -> web.Response:
     return reply(Cancelled(cancelled=request.app[BATCHER].release(ref.request_id, "cancelled")))
 
 
-def add_decode_service(app: web.Application, ctx, worker) -> None:
-    """Continuous batcher, reservations and the decode endpoints."""
+def add_decode_service(app: web.Application, ctx: NodeContext) -> None:
+    """Continuous batcher, reservations and the decode endpoints (append after
+    ``add_worker_resources``: they run on its open worker)."""
 
     async def batcher_ctx(app: web.Application):
         cfg = ctx.config
+        worker = app[WORKER]
         eos = load_tokenizer(cfg.model.model).eos_token_ids
         batcher = DecodeBatcher(worker, cfg.decode.max_batch, cfg.decode.reservation_timeout_s, eos)
         app[BATCHER] = batcher
@@ -119,6 +122,7 @@ def add_decode_service(app: web.Application, ctx, worker) -> None:
     app.router.add_post(Route.DECODE_TOUCH, touch)
 
 
-def setup_decode(app: web.Application, ctx) -> None:
-    add_decode_service(app, ctx, add_worker_resources(app, ctx))
+def setup_decode(app: web.Application, ctx: NodeContext) -> None:
+    add_worker_resources(app, ctx)
+    add_decode_service(app, ctx)
     add_membership(app, ctx)

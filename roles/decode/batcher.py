@@ -27,6 +27,7 @@ import torch
 from model.runner import DecodeSeq
 from model.sampling import SamplingParams, sample
 from mooncaked.node.tasks import cancel_and_wait
+from roles.worker_node import WorkerNode
 
 log = logging.getLogger("mooncaked.decode")
 
@@ -52,7 +53,8 @@ class Sequence:
 
 
 class DecodeBatcher:
-    def __init__(self, worker, max_batch: int, reservation_timeout_s: float, eos_ids: list[int]) -> None:
+    def __init__(self, worker: WorkerNode, max_batch: int, reservation_timeout_s: float,
+                 eos_ids: list[int]) -> None:
         self.worker = worker
         self.shard = worker.shard
         self.bs = worker.layout.block_size

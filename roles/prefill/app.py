@@ -3,7 +3,7 @@
 POST /internal/prefill          PrefillRequest -> PrefillReply: run a prefill
 POST /internal/prefill/cancel   RequestRef -> Cancelled
 POST /internal/store/prefetch   PrefetchRequest -> PrefetchReply: replicate a prefix here
-POST /internal/cpp/*            the pipeline stage endpoints (roles.prefill.cpp)
+POST /internal/cpp/*            the pipeline stage endpoints (roles.prefill.cpp_routes)
 plus the block leases peers use to READ our cached prefixes (store_leases).
 """
 
@@ -13,11 +13,12 @@ from aiohttp import web
 
 from kvstore.shard import StoreFullError
 from mooncaked.node.errors import ApiError
-from mooncaked.node.internal_client import InternalClient, read_message, reply
+from mooncaked.node.context import NodeContext
+from mooncaked.node.internal_client import read_message, reply
 from mooncaked.node.messages import (Cancelled, PrefetchReply, PrefetchRequest, PrefillRequest,
                                      RequestRef, Route)
 from roles.cache_sync import CacheEventPusher
-from roles.prefill.cpp import CppStages
+from roles.prefill.cpp_routes import CPP_STAGES, CppStages, add_cpp_routes
 from roles.prefill.job import PrefillCancelled, prefetch
 from roles.prefill.service import PrefillService, QueueFull
 from roles.store_leases import add_lease_routes
@@ -27,7 +28,6 @@ from rdma.types import TransferError
 
 PREFILL = web.AppKey("prefill", PrefillService)
 PUSHER = web.AppKey("pusher", CacheEventPusher)
-CPP_STAGES = web.AppKey("cpp_stages", CppStages)
 
 
 async def prefill(request: web.Request) -> web.Response:
@@ -64,20 +64,13 @@ async def cancel(request: web.Request) -> web.Response:
     return reply(Cancelled(cancelled=request.app[PREFILL].cancel(ref.request_id)))
 
 
-def _cpp_handler(name: str):
-    async def handler(request: web.Request) -> web.StreamResponse:
-        stages = request.app.get(CPP_STAGES)
-        if stages is None:
-            raise ApiError(404, "this prefill node is not a pipeline stage")
-        return await getattr(stages, name)(request)
-    return handler
-
-
-def add_prefill_service(app: web.Application, ctx, worker) -> None:
-    """Prefill queue, cache-event pusher, block leases and the prefill endpoints."""
+def add_prefill_service(app: web.Application, ctx: NodeContext) -> None:
+    """Prefill queue, cache-event pusher, block leases and the prefill endpoints
+    (append after ``add_worker_resources``: they run on its open worker)."""
 
     async def service(app: web.Application):
         cfg = ctx.config
+        worker = app[WORKER]
         svc = PrefillService(worker, cfg.model.prefill_chunk, cfg.prefill.max_queue,
                              cfg.prefill.fetch_timeout_s, cfg.prefill.prefix_cache,
                              cfg.prefill.cpp_chunk_timeout_s, cfg.prefill.batch_tokens)
@@ -85,7 +78,7 @@ def add_prefill_service(app: web.Application, ctx, worker) -> None:
         if worker.cpp:
             stages = CppStages(worker, cfg.model.prefill_chunk, cfg.prefill.cpp_chunk_timeout_s)
             app[CPP_STAGES] = stages
-        pusher = CacheEventPusher(worker.shard, InternalClient(worker.http), cfg.node.conductor_url,
+        pusher = CacheEventPusher(worker.shard, worker.client, cfg.node.conductor_url,
                                   ctx.node_id)
         app[PREFILL] = svc
         app[PUSHER] = pusher
@@ -100,15 +93,14 @@ def add_prefill_service(app: web.Application, ctx, worker) -> None:
         await pusher.close()
 
     app.cleanup_ctx.append(service)
-    add_lease_routes(app, worker)
+    add_lease_routes(app)
     app.router.add_post(Route.PREFILL, prefill)
     app.router.add_post(Route.PREFILL_CANCEL, cancel)
     app.router.add_post(Route.PREFETCH, prefetch_blocks)
-    for path, name in ((Route.CPP_PREPARE, "prepare"), (Route.CPP_START, "start"),
-                       (Route.CPP_CHUNK, "chunk"), (Route.CPP_ABORT, "abort")):
-        app.router.add_post(path, _cpp_handler(name))
+    add_cpp_routes(app)
 
 
-def setup_prefill(app: web.Application, ctx) -> None:
-    add_prefill_service(app, ctx, add_worker_resources(app, ctx))
+def setup_prefill(app: web.Application, ctx: NodeContext) -> None:
+    add_worker_resources(app, ctx)
+    add_prefill_service(app, ctx)
     add_membership(app, ctx)

@@ -26,6 +26,7 @@ from mooncaked.node.internal_client import UNBOUNDED, InternalCallError, Interna
 from mooncaked.node.messages import (FetchPlan, LeaseGrant, LeaseRelease, LeaseRequest,
                                      PrefillReply, PrefillRequest, ReservationGrant, Route)
 from rdma.types import TransferError, TransferOp, TransferRequest
+from roles.worker_node import WorkerNode
 
 log = logging.getLogger("mooncaked.prefill")
 
@@ -47,11 +48,11 @@ class PrefillJob:
     ``publish_new_blocks`` in between; whoever starts a job calls ``cleanup``.
     """
 
-    def __init__(self, spec: PrefillRequest, worker, chunk_size: int, fetch_timeout_s: float,
-                 prefix_cache: bool = True) -> None:
+    def __init__(self, spec: PrefillRequest, worker: WorkerNode, chunk_size: int,
+                 fetch_timeout_s: float, prefix_cache: bool = True) -> None:
         self.spec = spec
         self.worker = worker
-        self.client = InternalClient(worker.http)  # the worker's session carries the cluster token
+        self.client = worker.client  # carries the cluster token
         self.shard: StoreShard = worker.shard
         self.layout = worker.layout
         self.bs = self.layout.block_size
@@ -277,7 +278,7 @@ class PrefillJob:
             self.private_pages = []
 
 
-async def prefetch(worker, source_url: str, token_ids: list[int], block_keys: list[int],
+async def prefetch(worker: WorkerNode, source_url: str, token_ids: list[int], block_keys: list[int],
                    timeout_s: float) -> tuple[int, str]:
     """Pull the blocks of ``block_keys`` this node lacks from ``source_url`` and keep
     them cached (operator-driven replication of a hot prefix; no compute).

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 from mooncaked.node.messages import PrefillReply, PrefillRequest
 from mooncaked.node.tasks import cancel_and_wait
-from roles.prefill.cpp import GroupPrefill
+from roles.prefill.cpp_head import GroupPrefill
 from roles.prefill.job import PrefillCancelled, PrefillJob
+from roles.worker_node import WorkerNode
 
 log = logging.getLogger("mooncaked.prefill")
 
@@ -40,7 +41,7 @@ class QueueFull(Exception):
 
 
 class PrefillService:
-    def __init__(self, worker, chunk_size: int, max_queue: int, fetch_timeout_s: float,
+    def __init__(self, worker: WorkerNode, chunk_size: int, max_queue: int, fetch_timeout_s: float,
                  prefix_cache: bool = True, cpp_timeout_s: float = 60.0,
                  batch_tokens: int = 4096) -> None:
         self.worker = worker

@@ -1,7 +1,9 @@
-"""Config sections owned by the node runtime itself (node, conductor).
+"""Config sections of the node and its roles: [node] [conductor] [prefill] [decode].
 
 Each component package owns its own section dataclass (``kvstore.config``,
 ``rdma.config``, ``model.config``); ``mooncaked.node.config`` composes them.
+The role sections live here, below ``roles/``, so that loading a config never
+imports a role (layers point one way).
 """
 
 from __future__ import annotations

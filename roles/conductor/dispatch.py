@@ -164,7 +164,11 @@ class Dispatcher:
         trace.policy, trace.predicted_ttft_s = decision.policy, decision.predicted_ttft_s
         source = cluster.registry.get(decision.transfer.source) if decision.transfer else None
         trace.transfer_planned_from = source.node_id if source else None
-        reserved = prefill_done = decode_done = False
+        # finished: the request got its finish reason (status "ok");
+        # stream_done: the decode node's stream ended it, so the node has freed
+        # the reservation itself.  A request the first token finishes is
+        # finished without a stream: its reservation is released below.
+        reserved = prefill_done = finished = stream_done = False
         self.metrics.running.inc()
         try:
             if prefill is None or decode is None:
@@ -210,16 +214,17 @@ class Dispatcher:
             trace.output_token_ids.append(first)
             if finish is not None:
                 # Marked before the yield: the consumer may close us right after it.
-                decode_done, trace.status = True, "ok"
+                finished, trace.status = True, "ok"
             yield Token(first, result.logprob, trace.cached_tokens, finish)
             if finish is None:
                 async for token in self._decode_stream(decode.url, request_id, len(token_ids),
                                                        first, sampling, trace, t0):
                     if token.finish_reason is not None:
-                        decode_done, trace.status = True, "ok"
+                        finished = stream_done = True
+                        trace.status = "ok"
                     yield token
         except GeneratorExit:
-            if not decode_done:
+            if not finished:
                 trace.status = "cancelled"
             raise
         except ApiError as exc:
@@ -235,7 +240,7 @@ class Dispatcher:
                 sched.on_prefill_finished(decision.prefill_node, request_id, now, 0.0)
                 if prefill is not None and reserved:
                     await self._cancel(prefill.url + Route.PREFILL_CANCEL, request_id)
-            if reserved and not decode_done and decode is not None:
+            if reserved and not stream_done and decode is not None:
                 await self._cancel(decode.url + Route.DECODE_CANCEL, request_id)
             sched.on_decode_finished(decision.decode_node, request_id, now)
             trace.e2e_s = time.perf_counter() - t0

@@ -1,0 +1,487 @@
+"""The conductor's Dispatcher (roles/conductor/dispatch.py) in one process.
+
+A real ``Dispatcher`` over a real ``ClusterView`` / ``Scheduler`` /
+``NodeRegistry`` (built as ``setup_conductor`` builds them) talks over HTTP to
+stand-in prefill and decode nodes: small aiohttp apps serving the internal
+routes with the real message classes, answering from a script and recording
+every body they get.  Expected values are written out by hand: the events a
+request yields, the bodies each node receives (block keys recomputed here
+straight from xxh3), the capacity the Scheduler books (pages for prompt +
+max_tokens) and gets back on every path out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import orjson
+import pytest
+import xxhash
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from prometheus_client import CollectorRegistry
+
+from model.sampling import SamplingParams
+from mooncaked.node.errors import ApiError, error_response
+from mooncaked.node.internal_client import InternalClient
+from mooncaked.node.membership import NodeRegistry
+from mooncaked.node.messages import (Cancelled, DecodeStart, NodeRegistration, Ok, PrefillReply,
+                                     PrefillRequest, RequestRef, ReservationGrant,
+                                     ReservationRequest, Route, StreamError, TokenLine)
+from mooncaked.node.sections import ConductorSection
+from roles.conductor.cluster import ClusterView
+from roles.conductor.dispatch import Dispatcher
+from roles.conductor.metrics import ConductorMetrics
+from roles.conductor.openai_types import Scheduled, Token
+
+BLOCK = 16
+PAGES = 64          # each node's announced page budget
+SEED = 12345        # the conductor's store.hash_seed
+EOS = 2
+PROMPT = list(range(100, 140))   # 40 tokens: two full blocks and 8 tokens over
+GRANT = ReservationGrant(pages=[40, 3, 41, 7], segment="decode-seg", region=2)
+
+
+def sampling(max_tokens: int = 4, **kw) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0.7, "top_k": 5, "seed": 11, "max_tokens": max_tokens,
+                             "stop_token_ids": [999], "logprobs": True, **kw})
+
+
+def chain_keys(tokens: list[int], seed: int) -> list[int]:
+    """The documented block-key chain, written out: xxh3(le_u64(parent) || le_u32 tokens)."""
+    keys, parent = [], 0
+    for i in range(len(tokens) // BLOCK):
+        data = parent.to_bytes(8, "little") + b"".join(
+            t.to_bytes(4, "little") for t in tokens[i * BLOCK:(i + 1) * BLOCK])
+        parent = xxhash.xxh3_64_intdigest(data, seed=seed)
+        keys.append(parent)
+    return keys
+
+
+# ---- stand-in nodes ------------------------------------------------------------
+
+async def _body(request: web.Request) -> dict:
+    return await request.json()
+
+
+@dataclass
+class FakePrefill:
+    """/internal/prefill answers ``reply`` (or ``status``), optionally after
+    ``hold`` is set; every body is recorded."""
+    reply: PrefillReply = field(default_factory=lambda: PrefillReply(
+        first_token=17, logprob=-0.5, local_hit_tokens=16, computed_tokens=24,
+        timings={"queue_s": 0.001, "compute_s": 0.004}))
+    status: int = 200
+    hold: asyncio.Event | None = None
+    received: list[PrefillRequest] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    gone: asyncio.Event = field(default_factory=asyncio.Event)   # the caller hung up
+
+    def app(self) -> web.Application:
+        async def prefill(request: web.Request) -> web.StreamResponse:
+            self.received.append(PrefillRequest.from_wire(await _body(request), block_size=BLOCK))
+            self.started.set()
+            try:
+                if self.hold is not None:
+                    await self.hold.wait()
+            except asyncio.CancelledError:
+                self.gone.set()
+                raise
+            if self.status != 200:
+                return error_response(self.status, "prefill failed on purpose")
+            return web.json_response(self.reply.to_wire())
+
+        async def cancel(request: web.Request) -> web.Response:
+            self.cancels.append(RequestRef.from_wire(await _body(request)).request_id)
+            return web.json_response(Cancelled(cancelled=True).to_wire())
+
+        app = web.Application()
+        app.router.add_post(Route.PREFILL, prefill)
+        app.router.add_post(Route.PREFILL_CANCEL, cancel)
+        return app
+
+
+@dataclass
+class FakeDecode:
+    """reserve -> ``GRANT``; generate streams ``lines`` (NDJSON dicts, or the
+    byte string of a raw line) then, with ``hang``, waits for the caller to go
+    away; ``generate_status`` answers generate with an error instead."""
+    lines: list = field(default_factory=lambda: [
+        TokenLine(token=23, logprob=-1.0).to_wire(), TokenLine(token=5, logprob=-1.5).to_wire(),
+        TokenLine(token=42, logprob=-2.0, finish_reason="length").to_wire()])
+    reserve_status: int = 200
+    generate_status: int = 200
+    hang: bool = False
+    reserves: list[ReservationRequest] = field(default_factory=list)
+    generates: list[DecodeStart] = field(default_factory=list)
+    touches: list[str] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
+    stream_closed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def app(self) -> web.Application:
+        async def reserve(request: web.Request) -> web.Response:
+            self.reserves.append(ReservationRequest.from_wire(await _body(request)))
+            if self.reserve_status != 200:
+                return error_response(self.reserve_status, "decode node out of KV pages")
+            return web.json_response(GRANT.to_wire())
+
+        async def generate(request: web.Request) -> web.StreamResponse:
+            self.generates.append(DecodeStart.from_wire(await _body(request)))
+            if self.generate_status != 200:
+                return error_response(self.generate_status, "no reservation")
+            resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+            await resp.prepare(request)
+            try:
+                for line in self.lines:
+                    await resp.write(line if isinstance(line, bytes) else orjson.dumps(line) + b"\n")
+                if self.hang:
+                    await asyncio.Event().wait()
+                await resp.write_eof()
+            finally:
+                self.stream_closed.set()
+            return resp
+
+        async def touch(request: web.Request) -> web.Response:
+            self.touches.append(RequestRef.from_wire(await _body(request)).request_id)
+            return web.json_response(Ok().to_wire())
+
+        async def cancel(request: web.Request) -> web.Response:
+            self.cancels.append(RequestRef.from_wire(await _body(request)).request_id)
+            return web.json_response(Cancelled(cancelled=True).to_wire())
+
+        app = web.Application()
+        app.router.add_post(Route.DECODE_RESERVE, reserve)
+        app.router.add_post(Route.DECODE_GENERATE, generate)
+        app.router.add_post(Route.DECODE_TOUCH, touch)
+        app.router.add_post(Route.DECODE_CANCEL, cancel)
+        return app
+
+
+@dataclass
+class Conductor:
+    dispatcher: Dispatcher
+    cluster: ClusterView
+    prefill: FakePrefill
+    decode: FakeDecode
+    prom: CollectorRegistry
+
+    @property
+    def sched(self):
+        return self.cluster.scheduler
+
+    def running_gauge(self) -> float:
+        return self.prom.get_sample_value("mooncaked:num_requests_running")
+
+    def assert_capacity_returned(self) -> None:
+        """Nothing booked: no request in flight, every decode page back, no queued prefill."""
+        sched = self.sched
+        assert sched.inflight == {}
+        assert sched.prefill["prefill-0"].pending == {}
+        assert sched.prefill["prefill-0"].queue_time(time.monotonic()) == 0.0
+        d = sched.decode["decode-0"]
+        assert (d.free_pages, d.batch_size, d.context_tokens, d.reserved) == (PAGES, 0, 0, {})
+        assert self.running_gauge() == 0.0
+
+
+@pytest.fixture
+async def conductor_for():
+    """``await conductor_for(prefill, decode, **ConductorSection fields)``: a
+    conductor's dispatch path over the two stand-in nodes (``prefill_url``
+    overrides where the prefill node is said to listen)."""
+    servers: list[TestServer] = []
+    clients: list[InternalClient] = []
+
+    async def serve(app: web.Application) -> str:
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        servers.append(server)
+        return str(server.make_url("")).rstrip("/")
+
+    async def make(prefill: FakePrefill | None = None, decode: FakeDecode | None = None, *,
+                   prefill_url: str | None = None, keepalive_s: float = 20.0,
+                   **section) -> Conductor:
+        prefill = prefill or FakePrefill()
+        decode = decode or FakeDecode()
+        registry = NodeRegistry(timeout_s=60.0)
+        cluster = ClusterView(registry, ConductorSection(**section))
+        prom = CollectorRegistry()
+        client = InternalClient.open(connections=0)
+        clients.append(client)
+        dispatcher = Dispatcher(cluster, client, ConductorMetrics(prom), SEED, [EOS],
+                                reservation_keepalive_s=keepalive_s)
+        capacity = {"pages": PAGES, "block_size": BLOCK, "kv_bytes_per_token": 1024}
+        now = time.monotonic()
+        registry.register(NodeRegistration(node_id="prefill-0", role="prefill",
+                                           url=prefill_url or await serve(prefill.app()),
+                                           capacity=capacity), now)
+        registry.register(NodeRegistration(node_id="decode-0", role="decode",
+                                           url=await serve(decode.app()), capacity=capacity), now)
+        return Conductor(dispatcher, cluster, prefill, decode, prom)
+
+    yield make
+    for client in clients:
+        await client.close()
+    for server in servers:
+        await server.close()
+
+
+async def run(gen, events: list) -> ApiError | None:
+    """Drain ``gen`` into ``events``; the ApiError it ends with, if any."""
+    try:
+        async for event in gen:
+            events.append(event)
+    except ApiError as exc:
+        return exc
+    return None
+
+
+def tokens_of(events: list) -> list[tuple]:
+    return [(e.token_id, e.logprob, e.cached_tokens, e.finish_reason) for e in events
+            if isinstance(e, Token)]
+
+
+# ---- the whole request ---------------------------------------------------------
+
+async def test_events_in_order_and_every_node_gets_the_right_body(conductor_for):
+    c = await conductor_for()
+    params = sampling(max_tokens=4)
+    gen = c.dispatcher.generate("req-1", PROMPT, params)
+    scheduled = await gen.__anext__()
+    assert isinstance(scheduled, Scheduled)
+    assert {k: scheduled.trace[k] for k in ("request_id", "prefill_node", "decode_node", "policy",
+                                            "prefix_tokens_planned", "transfer")} == {
+        "request_id": "req-1", "prefill_node": "prefill-0", "decode_node": "decode-0",
+        "policy": "mooncake", "prefix_tokens_planned": 0, "transfer": None}
+    # Booked while it runs: ceil((40 + 4) / 16) = 3 pages, one sequence of 44 tokens,
+    # and the prefill estimate c0 + n*40 + n2*40^2 of the default coefficients.
+    d = c.sched.decode["decode-0"]
+    assert (d.free_pages, d.batch_size, d.context_tokens) == (PAGES - 3, 1, 44)
+    assert c.sched.prefill["prefill-0"].queue_time(time.monotonic()) == pytest.approx(
+        0.01 + 2.5e-4 * 40 + 1.7e-8 * 40 * 40)
+    assert c.running_gauge() == 1.0
+    events = [scheduled]
+    assert await run(gen, events) is None
+
+    # First token from the prefill node, the rest from the decode stream, in order;
+    # every token carries the prefill's cached tokens (16 local).
+    assert tokens_of(events) == [(17, -0.5, 16, None), (23, -1.0, 16, None), (5, -1.5, 16, None),
+                                 (42, -2.0, 16, "length")]
+    assert c.decode.reserves == [ReservationRequest(request_id="req-1", total_tokens=44)]
+    (spec,) = c.prefill.received
+    assert spec.request_id == "req-1" and spec.token_ids == PROMPT
+    assert spec.block_keys == chain_keys(PROMPT, SEED) and len(spec.block_keys) == 2
+    assert spec.decode == GRANT                       # the KV goes into the granted pages
+    assert spec.sampling == params and spec.fetch is None and spec.cpp is None
+    assert c.decode.generates == [DecodeStart(request_id="req-1", prompt_len=40, first_token=17,
+                                              sampling=params)]
+    # Finished normally: nothing to cancel anywhere; the reservation was still fresh.
+    assert (c.prefill.cancels, c.decode.cancels, c.decode.touches) == ([], [], [])
+    c.assert_capacity_returned()
+    trace = c.dispatcher.traces["req-1"]
+    assert (trace.status, trace.cached_tokens, trace.local_hit_tokens, trace.completion_tokens,
+            trace.output_token_ids) == ("ok", 16, 16, 4, [17, 23, 5, 42])
+    assert trace.prefill_compute_s == 0.004 and trace.prefill_queue_s == 0.001
+
+
+async def test_decode_reservation_is_touched_only_while_the_prefill_runs(conductor_for):
+    hold = asyncio.Event()
+    c = await conductor_for(FakePrefill(hold=hold), keepalive_s=0.02)
+    task = asyncio.ensure_future(run(c.dispatcher.generate("req-t", PROMPT, sampling()), []))
+    await asyncio.wait_for(c.prefill.started.wait(), 5)
+    for _ in range(250):                         # 3 keepalive periods or more
+        if len(c.decode.touches) >= 3:
+            break
+        await asyncio.sleep(0.02)
+    hold.set()
+    assert await asyncio.wait_for(task, 5) is None
+    touched = list(c.decode.touches)
+    assert len(touched) >= 3 and set(touched) == {"req-t"}
+    await asyncio.sleep(0.1)
+    assert c.decode.touches == touched           # the keepalive stopped with the prefill
+    c.assert_capacity_returned()
+
+
+@pytest.mark.parametrize("first, max_tokens, finish", [(17, 1, "length"), (EOS, 4, "stop"),
+                                                       (999, 4, "stop")])
+async def test_a_first_token_that_finishes_needs_no_decode_stream(conductor_for, first,
+                                                                  max_tokens, finish):
+    """max_tokens=1, the model's EOS, or a stop token id as the prefill's answer."""
+    c = await conductor_for(FakePrefill(reply=PrefillReply(first_token=first, logprob=-0.1)))
+    events: list = []
+    assert await run(c.dispatcher.generate("req-f", PROMPT, sampling(max_tokens=max_tokens)),
+                     events) is None
+    assert [type(e) for e in events] == [Scheduled, Token]
+    assert tokens_of(events) == [(first, -0.1, 0, finish)]
+    assert c.decode.generates == [] and c.prefill.cancels == []
+    assert c.dispatcher.traces["req-f"].status == "ok"
+    c.assert_capacity_returned()
+    # (The decode node's reservation: see the next test.)
+
+
+async def test_a_first_token_that_finishes_releases_the_decode_reservation(conductor_for):
+    c = await conductor_for()
+    assert await run(c.dispatcher.generate("req-1tok", PROMPT, sampling(max_tokens=1)), []) is None
+    assert c.decode.generates == []
+    assert c.decode.cancels == ["req-1tok"]
+
+
+# ---- failures --------------------------------------------------------------------
+
+DECODE_FAILURES = {
+    # case: (the stand-in decode node's script, the tokens it streams before failing)
+    # the decode node ends the stream with an error line after one token
+    "stream error": (dict(lines=[TokenLine(token=23).to_wire(),
+                                 StreamError(error="cancelled").to_wire()]), [23]),
+    # the stream ends without a finish reason
+    "truncated": (dict(lines=[TokenLine(token=23).to_wire(), TokenLine(token=5).to_wire()]),
+                  [23, 5]),
+    # a line that does not decode as a TokenLine
+    "malformed line": (dict(lines=[TokenLine(token=23).to_wire(), b'{"token": -4}\n']), [23]),
+    # generate refused (the reservation expired)
+    "generate 404": (dict(generate_status=404, lines=[]), []),
+}
+
+
+@pytest.mark.parametrize("case", list(DECODE_FAILURES))
+async def test_a_failed_decode_stream_is_502_and_cancels_the_reservation(conductor_for, case):
+    script, streamed = DECODE_FAILURES[case]
+    c = await conductor_for(decode=FakeDecode(**script))
+    events: list = []
+    error = await run(c.dispatcher.generate("req-d", PROMPT, sampling()), events)
+    assert error is not None and error.status == 502
+    assert tokens_of(events) == [(17, -0.5, 16, None)] + [(t, None, 16, None) for t in streamed]
+    assert c.decode.cancels == ["req-d"]
+    assert c.prefill.cancels == []          # its part was done
+    assert c.dispatcher.traces["req-d"].status == "error 502"
+    c.assert_capacity_returned()
+
+
+@pytest.mark.parametrize("node_status, client_status", [(500, 502), (409, 502), (503, 503),
+                                                        (429, 503)])
+async def test_a_prefill_error_reaches_the_client_and_cancels_the_reservation(
+        conductor_for, node_status, client_status):
+    c = await conductor_for(FakePrefill(status=node_status))
+    events: list = []
+    error = await run(c.dispatcher.generate("req-p", PROMPT, sampling()), events)
+    assert error is not None and error.status == client_status
+    assert "prefill failed on purpose" in error.message
+    assert [type(e) for e in events] == [Scheduled]
+    assert c.decode.cancels == ["req-p"] and c.decode.generates == []
+    assert c.dispatcher.traces["req-p"].status == f"error {client_status}"
+    c.assert_capacity_returned()
+
+
+async def test_an_unreachable_prefill_node_is_502_and_cancels_the_reservation(conductor_for):
+    closed = TestServer(web.Application(), host="127.0.0.1")
+    await closed.start_server()
+    dead_url = str(closed.make_url("")).rstrip("/")
+    await closed.close()
+    c = await conductor_for(prefill_url=dead_url)
+    error = await run(c.dispatcher.generate("req-u", PROMPT, sampling()), [])
+    assert error is not None and error.status == 502
+    assert c.decode.cancels == ["req-u"]
+    c.assert_capacity_returned()
+
+
+async def test_a_refused_reservation_reaches_the_client_before_any_event(conductor_for):
+    c = await conductor_for(decode=FakeDecode(reserve_status=503))
+    events: list = []
+    error = await run(c.dispatcher.generate("req-r", PROMPT, sampling()), events)
+    assert error is not None and error.status == 503
+    assert events == [] and c.prefill.received == []
+    assert (c.prefill.cancels, c.decode.cancels) == ([], [])   # nothing was held
+    c.assert_capacity_returned()
+
+
+# ---- the client goes away --------------------------------------------------------
+
+async def test_closing_before_the_prefill_cancels_on_both_nodes(conductor_for):
+    c = await conductor_for()
+    gen = c.dispatcher.generate("req-c0", PROMPT, sampling())
+    assert isinstance(await gen.__anext__(), Scheduled)
+    await gen.aclose()
+    assert c.prefill.received == []
+    assert (c.prefill.cancels, c.decode.cancels) == (["req-c0"], ["req-c0"])
+    assert c.dispatcher.traces["req-c0"].status == "cancelled"
+    c.assert_capacity_returned()
+
+
+async def test_a_client_gone_during_the_prefill_cancels_on_both_nodes(conductor_for):
+    """The front end's handler task is cancelled while the prefill call is out."""
+    c = await conductor_for(FakePrefill(hold=asyncio.Event()), keepalive_s=0.02)
+    task = asyncio.ensure_future(run(c.dispatcher.generate("req-c1", PROMPT, sampling()), []))
+    await asyncio.wait_for(c.prefill.started.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert (c.prefill.cancels, c.decode.cancels) == (["req-c1"], ["req-c1"])
+    await asyncio.wait_for(c.prefill.gone.wait(), 5)   # the prefill connection was closed
+    touched = len(c.decode.touches)
+    await asyncio.sleep(0.08)
+    assert len(c.decode.touches) == touched            # no keepalive left running
+    assert c.decode.generates == []
+    assert c.dispatcher.traces["req-c1"].status == "cancelled"
+    c.assert_capacity_returned()
+
+
+async def test_closing_during_the_decode_stream_cancels_the_decode_node(conductor_for):
+    c = await conductor_for(decode=FakeDecode(lines=[TokenLine(token=23).to_wire()], hang=True))
+    gen = c.dispatcher.generate("req-c2", PROMPT, sampling())
+    events = [await gen.__anext__() for _ in range(3)]   # Scheduled, 17, 23
+    assert tokens_of(events) == [(17, -0.5, 16, None), (23, None, 16, None)]
+    await gen.aclose()
+    assert c.decode.cancels == ["req-c2"]
+    assert c.prefill.cancels == []                       # the prefill had finished
+    await asyncio.wait_for(c.decode.stream_closed.wait(), 5)   # and the stream is hung up
+    assert c.dispatcher.traces["req-c2"].status == "cancelled"
+    c.assert_capacity_returned()
+
+
+# ---- admission -------------------------------------------------------------------
+
+async def test_a_predicted_ttft_miss_is_429_with_retry_after(conductor_for, tmp_path):
+    """Every prefill is priced 5 s (a profile with only c0) against a 7 s SLO:
+    the first request fits, the second would wait 5 s behind it (5 + 5 = 10 s,
+    3 s over: Retry-After 3); once the first is done a third fits again."""
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"coeffs": {"c0": 5.0}}))
+    c = await conductor_for(prefill_profile=str(profile), ttft_slo_s=7.0)
+    first = c.dispatcher.generate("req-a", PROMPT, sampling())
+    assert isinstance(await first.__anext__(), Scheduled)
+
+    error = await run(c.dispatcher.generate("req-b", PROMPT, sampling()), [])
+    assert error is not None and error.status == 429 and error.code == "ttft_slo"
+    assert error.headers == {"Retry-After": "3"}
+    assert "predicted TTFT 10s" in error.message
+    assert [r.request_id for r in c.decode.reserves] == ["req-a"]   # no node saw req-b
+    assert set(c.sched.inflight) == {"req-a"} and c.sched.rejections == {"ttft_slo": 1}
+
+    assert await run(first, []) is None
+    c.assert_capacity_returned()
+    assert await run(c.dispatcher.generate("req-c", PROMPT, sampling()), []) is None
+    assert c.prom.get_sample_value("mooncaked_rejections_total", {"reason": "ttft_slo"}) == 1.0
+
+
+async def test_a_predicted_tbt_miss_is_429(conductor_for):
+    # The default decode model prices one sequence at >= 12 ms per token.
+    c = await conductor_for(tbt_slo_ms=1.0)
+    error = await run(c.dispatcher.generate("req-tbt", PROMPT, sampling()), [])
+    assert error is not None and error.status == 429 and error.code == "tbt_slo"
+    assert error.headers == {"Retry-After": "1"}
+    assert c.decode.reserves == [] and c.prefill.received == []
+    c.assert_capacity_returned()
+
+
+async def test_no_nodes_yet_is_503():
+    cluster = ClusterView(NodeRegistry(timeout_s=60.0), ConductorSection())
+    client = InternalClient.open()
+    try:
+        dispatcher = Dispatcher(cluster, client, ConductorMetrics(CollectorRegistry()), SEED, [EOS])
+        error = await run(dispatcher.generate("req-0", PROMPT, sampling()), [])
+    finally:
+        await client.close()
+    assert error is not None and error.status == 503 and error.headers == {"Retry-After": "1"}

@@ -85,11 +85,23 @@ def test_stop_strings_any_split(text, stops, cuts):
     bounds = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
     out, stopped = _run_checker(stops, pieces)
-    hits = [i for s in stops if (i := text.find(s)) >= 0]
-    if hits:
-        assert stopped and out == text[:min(hits)]
+    # Generation stops in the piece where a stop string first completes (it
+    # cannot wait for a longer stop that might start earlier): the output is
+    # the text before the earliest-starting stop that is complete by then.
+    for end in bounds[1:]:
+        hits = [i for s in stops if (i := text[:end].find(s)) >= 0]
+        if hits:
+            assert stopped and out == text[:min(hits)]
+            break
     else:
         assert not stopped and out == text
+
+
+def test_a_stop_completing_first_wins_over_a_longer_one_starting_earlier():
+    # Found by the property above: "X" completes in the first piece, so the
+    # stream stops there, although "YXX" would have started one character earlier.
+    assert _run_checker(["X", "YXX"], ["YX", "X"]) == ("Y", True)
+    assert _run_checker(["X", "YXX"], ["YXX"]) == ("", True)
 
 
 def test_stop_string_holds_back_partial_match():

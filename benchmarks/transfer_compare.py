@@ -108,11 +108,7 @@ def main() -> None:
             out["mooncaked_one_connection"]["median"] / out["iperf3_single_stream"]["median"], 3)
     if out["mooncaked"] and isinstance(out["mooncake_te_tcp"], dict):
         out["speedup_vs_mooncake_tcp_median"] = round(out["mooncaked"]["median"] / out["mooncake_te_tcp"]["median"], 2)
-    text = json.dumps(out, indent=2)
-    print(text)
-    if a.json:
-        with open(a.json, "w") as f:
-            f.write(text + "\n")
+    bench.emit_json(out, a.json)
 
 
 if __name__ == "__main__":

@@ -91,6 +91,15 @@ def run(args: dict) -> dict:
         return asyncio.run(_run(args))
 
 
+def emit_json(result: dict, path: str = "") -> None:
+    """Print a benchmark's result as JSON, and write it to ``path`` too if given."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if path:
+        with open(path, "w") as f:
+            f.write(text + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="131072,1048576,4194304,16777216")
@@ -104,11 +113,7 @@ def main(argv: list[str] | None = None) -> None:
                "concurrency": [int(x) for x in a.concurrency.split(",")],
                "op": a.op, "total": a.total,
                "config": {k: json.loads(v) for k, v in (s.split("=", 1) for s in a.set)}})
-    text = json.dumps(out, indent=2)
-    print(text)
-    if a.json:
-        with open(a.json, "w") as f:
-            f.write(text + "\n")
+    emit_json(out, a.json)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,17 @@ from mooncaked.benchserve.tracegen import TraceGenConfig, describe, generate, wr
 from mooncaked.benchserve.workload import WorkloadConfig, build_workload
 
 
+# Options that `bench serve` and `bench compare` share, declared once.
+OFFSET = typer.Option(0, help="Skip the first N requests of the trace.")
+POISSON = typer.Option(False, help="Poisson arrivals at --rate.")
+OUTPUT_SCALE = typer.Option(0.0, help="Scale output lengths by this instead (0 = --length-scale).")
+MAX_OUTPUT_TOKENS = typer.Option(0, help="Cap max_tokens (0 = no cap).")
+TTFT_SLO = typer.Option(30.0, help="TTFT SLO, seconds.")
+TBT_SLO = typer.Option(200.0, help="TBT SLO, milliseconds.")
+VOCAB_SIZE = typer.Option(256, help="Prompt token ids are < this.")
+RESERVED_TOKENS = typer.Option(0, help="Prompt token ids are >= this.")
+
+
 def _rates(text: str) -> list[float]:
     if not text:
         return []
@@ -79,24 +90,23 @@ def register(bench: typer.Typer, app: typer.Typer) -> None:
         time_scale: float = typer.Option(1.0, help="Arrival = trace timestamp x this "
                                          "(< 1 compresses time)."),
         max_requests: int = typer.Option(0, help="Replay at most N requests (0 = all)."),
-        offset: int = typer.Option(0, help="Skip the first N requests of the trace."),
+        offset: int = OFFSET,
         rate: str = typer.Option("", help="Requests/s instead of trace timestamps; a "
                                  "comma-separated list sweeps over rates."),
-        poisson: bool = typer.Option(False, help="Poisson arrivals at --rate."),
+        poisson: bool = POISSON,
         length_scale: float = typer.Option(1.0, help="Scale prompt and output lengths "
                                            "(each hash id -> round(512 x this) tokens)."),
-        output_scale: float = typer.Option(0.0, help="Scale output lengths by this instead "
-                                           "(0 = --length-scale)."),
-        max_output_tokens: int = typer.Option(0, help="Cap max_tokens (0 = no cap)."),
-        ttft_slo: float = typer.Option(30.0, help="TTFT SLO, seconds."),
-        tbt_slo: float = typer.Option(200.0, help="TBT SLO, milliseconds."),
+        output_scale: float = OUTPUT_SCALE,
+        max_output_tokens: int = MAX_OUTPUT_TOKENS,
+        ttft_slo: float = TTFT_SLO,
+        tbt_slo: float = TBT_SLO,
         out: Optional[Path] = typer.Option(None, help="Write summary.json, requests.json/.csv "
                                            "and PNG plots here."),
         max_duration: float = typer.Option(600.0, help="Bound on the whole run, seconds."),
         request_timeout: float = typer.Option(300.0, help="Bound on one request, seconds."),
         model: str = typer.Option("", help="Model name (default: the server's first)."),
-        vocab_size: int = typer.Option(256, help="Prompt token ids are < this."),
-        reserved_tokens: int = typer.Option(0, help="Prompt token ids are >= this."),
+        vocab_size: int = VOCAB_SIZE,
+        reserved_tokens: int = RESERVED_TOKENS,
         seed: int = typer.Option(0, help="Seed of Poisson arrivals."),
         plots: bool = typer.Option(True, help="Write PNG plots with --out."),
         progress: bool = typer.Option(True, help="Live progress bar on stderr."),
@@ -131,15 +141,14 @@ def register(bench: typer.Typer, app: typer.Typer) -> None:
                                             "scaled trace block."),
         time_scale: float = typer.Option(1.0, help="Arrival = trace timestamp x this."),
         max_requests: int = typer.Option(100, help="Replay at most N requests (0 = all)."),
-        offset: int = typer.Option(0, help="Skip the first N requests of the trace."),
+        offset: int = OFFSET,
         rate: float = typer.Option(0.0, help="Requests/s instead of trace timestamps."),
-        poisson: bool = typer.Option(False, help="Poisson arrivals at --rate."),
+        poisson: bool = POISSON,
         length_scale: float = typer.Option(1 / 32, help="Scale prompt and output lengths."),
-        output_scale: float = typer.Option(0.0, help="Scale output lengths by this instead "
-                                           "(0 = --length-scale)."),
-        max_output_tokens: int = typer.Option(0, help="Cap max_tokens (0 = no cap)."),
-        ttft_slo: float = typer.Option(30.0, help="TTFT SLO, seconds."),
-        tbt_slo: float = typer.Option(200.0, help="TBT SLO, milliseconds."),
+        output_scale: float = OUTPUT_SCALE,
+        max_output_tokens: int = MAX_OUTPUT_TOKENS,
+        ttft_slo: float = TTFT_SLO,
+        tbt_slo: float = TBT_SLO,
         out: Optional[Path] = typer.Option(None, help="Write compare.json/.md, plots and "
                                            "each run's report here."),
         max_duration: float = typer.Option(300.0, help="Bound on each run, seconds."),
@@ -147,8 +156,8 @@ def register(bench: typer.Typer, app: typer.Typer) -> None:
         warmup: int = typer.Option(2, help="Untimed requests (unrelated prompts) per config."),
         rounds: int = typer.Option(1, help="Run every config this many times, order rotated "
                                    "each round; the table shows medians."),
-        vocab_size: int = typer.Option(256, help="Prompt token ids are < this."),
-        reserved_tokens: int = typer.Option(0, help="Prompt token ids are >= this."),
+        vocab_size: int = VOCAB_SIZE,
+        reserved_tokens: int = RESERVED_TOKENS,
         seed: int = typer.Option(0, help="Seed of Poisson arrivals."),
         log_dir: Optional[Path] = typer.Option(None, help="Node logs (default: temp dirs)."),
         plots: bool = typer.Option(True, help="Write PNG plots with --out."),

@@ -226,3 +226,24 @@ def test_cancelled_prefill_releases_booking_without_learning():
     s.on_prefill_finished(d.prefill_node, "a", now=1.0, actual_seconds=0.0)
     assert s.prefill[d.prefill_node].queue_time(1.0) == 0.0
     assert not est.samples and s.estimator_error()["count"] == 0
+
+
+def test_prediction_errors_stay_bounded_while_totals_cover_every_request():
+    """A long-running conductor must not grow with traffic: the recent-error
+    window is bounded, the mean over every request stays exact."""
+    from roles.scheduling.scheduler import RECENT_TTFT_ERRORS
+
+    s = make_sched(policy="load_balance")
+    n = RECENT_TTFT_ERRORS + 50
+    seen = []
+    for i in range(n):
+        d = s.schedule(req(f"r{i}", 4), now=float(i))
+        s.on_prefill_finished(d.prefill_node, f"r{i}", now=float(i) + 2.0, actual_seconds=1.5)
+        seen.append(s.ttft_errors[-1])
+        s.on_decode_finished(d.decode_node, f"r{i}", now=float(i) + 3.0)
+    assert len(s.ttft_errors) == RECENT_TTFT_ERRORS
+    assert list(s.ttft_errors) == seen[-RECENT_TTFT_ERRORS:]
+    err = s.estimator_error()
+    assert err["count"] == n
+    assert err["mean_s"] == pytest.approx(sum(seen) / n)
+    assert err["mean_abs_s"] == pytest.approx(sum(abs(e) for e in seen) / n)

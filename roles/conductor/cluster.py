@@ -177,7 +177,7 @@ class ClusterView:
 
     def status(self) -> dict:
         sched = self.scheduler
-        errors = sched.ttft_errors[-100:]
+        errors = list(sched.ttft_errors)[-100:]
         return {
             "policy": sched.policy.name,
             "indexed_blocks": sum(sched.index.blocks_on(n) for n in sched.prefill),

@@ -6,6 +6,7 @@ an argument; nothing here blocks, sleeps or does I/O.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -15,6 +16,9 @@ from .policies import PlanContext, Policy
 from .registry import make_policy
 from .state import (Decision, DecodeNodeState, NodeReport, PendingPrefill, PrefillNodeState,
                     Rejection, ScheduleRequest)
+
+# Recent TTFT prediction errors kept for status pages (totals are running sums).
+RECENT_TTFT_ERRORS = 1024
 
 
 @dataclass
@@ -64,8 +68,13 @@ class Scheduler:
         self.decode: dict[str, DecodeNodeState] = {}
         self.inflight: dict[str, _Inflight] = {}
         self._outstanding: dict[str, int] = {}
-        # estimator feedback: (predicted - actual) TTFT per finished request
-        self.ttft_errors: list[float] = []
+        # Estimator feedback, (predicted - actual) TTFT per finished request:
+        # running totals over every request, and the most recent ones (bounded:
+        # a long-running conductor must not grow with traffic).
+        self.ttft_errors: deque[float] = deque(maxlen=RECENT_TTFT_ERRORS)
+        self._ttft_error_count = 0
+        self._ttft_error_sum = 0.0
+        self._ttft_error_abs_sum = 0.0
         self.rejections: dict[str, int] = {}
         # Prefill instances with their own estimator (CPP groups).
         self.node_estimators: dict[str, PrefillEstimator] = {}
@@ -202,7 +211,11 @@ class Scheduler:
         self.estimator_for(node).observe(inf.req.prompt_tokens, inf.decision.prefix_tokens,
                                          actual_seconds)
         actual_ttft = now - inf.scheduled_at
-        self.ttft_errors.append(inf.decision.predicted_ttft_s - actual_ttft)
+        error = inf.decision.predicted_ttft_s - actual_ttft
+        self.ttft_errors.append(error)
+        self._ttft_error_count += 1
+        self._ttft_error_sum += error
+        self._ttft_error_abs_sum += abs(error)
 
     def on_transfer_finished(self, source: str, nbytes: int, seconds: float) -> None:
         self.transfer_est.observe(source, nbytes, seconds)
@@ -241,8 +254,8 @@ class Scheduler:
 
     def estimator_error(self) -> dict[str, float]:
         """Mean and mean-absolute (predicted - actual) TTFT, seconds."""
-        e = self.ttft_errors
-        if not e:
+        n = self._ttft_error_count
+        if not n:
             return {"count": 0, "mean_s": 0.0, "mean_abs_s": 0.0}
-        return {"count": len(e), "mean_s": sum(e) / len(e),
-                "mean_abs_s": sum(abs(x) for x in e) / len(e)}
+        return {"count": n, "mean_s": self._ttft_error_sum / n,
+                "mean_abs_s": self._ttft_error_abs_sum / n}

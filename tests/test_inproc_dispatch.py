@@ -485,3 +485,23 @@ async def test_no_nodes_yet_is_503():
     finally:
         await client.close()
     assert error is not None and error.status == 503 and error.headers == {"Retry-After": "1"}
+
+
+async def test_the_scheduled_trace_carries_the_planned_cached_tokens(conductor_for):
+    """x-mooncaked-cached-tokens comes from this trace (openai_api.trace_headers);
+    the real conductor never set it."""
+    from mooncaked.node.messages import CacheSnapshot
+    from roles.conductor.openai_api import trace_headers
+
+    c = await conductor_for()
+    keys = chain_keys(PROMPT, SEED)
+    c.cluster.snapshot(CacheSnapshot(node_id="prefill-0", epoch=1, seq=0, keys=keys))
+    events: list = []
+    assert await run(c.dispatcher.generate("req-c", PROMPT, sampling()), events) is None
+    scheduled = events[0]
+    assert isinstance(scheduled, Scheduled)
+    assert scheduled.trace["cached_tokens"] == 2 * BLOCK  # both full blocks are held
+
+    class Run:
+        trace = scheduled.trace
+    assert trace_headers("id", [Run()])["x-mooncaked-cached-tokens"] == str(2 * BLOCK)

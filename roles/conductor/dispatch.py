@@ -186,6 +186,9 @@ class Dispatcher:
                 "request_id": request_id, "prefill_node": decision.prefill_node,
                 "decode_node": decision.decode_node, "policy": decision.policy,
                 "prefix_tokens_planned": decision.prefix_tokens,
+                # What x-mooncaked-cached-tokens reports (docs/api.md): the prefix
+                # hit planned with; the hit the prefill node achieved is in usage.
+                "cached_tokens": decision.prefix_tokens,
                 "local_prefix_tokens_planned": decision.local_prefix_tokens,
                 "transfer": trace.transfer_planned_from,
                 "predicted_ttft_ms": round(decision.predicted_ttft_s * 1000, 2),

@@ -23,6 +23,9 @@ from mooncaked.node.tasks import cancel_and_wait
 
 log = logging.getLogger("mooncaked.cache_sync")
 
+# How long a finished prefill's reply may wait for its events to be pushed.
+FLUSH_TIMEOUT_S = 1.0
+
 
 class CacheEventPusher:
     def __init__(self, shard: StoreShard, client: InternalClient, conductor_url: str,
@@ -43,10 +46,26 @@ class CacheEventPusher:
     def kick(self) -> None:
         self._kick.set()
 
-    async def flush(self) -> None:
-        """Push pending events now (used before answering a finished prefill)."""
-        async with self._lock:
-            await self._push()
+    async def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
+        """Push pending events now, before a finished prefill answers, so that
+        the next scheduling decision sees its new blocks.  Best effort: it
+        never fails the caller (the prefill is done and its KV delivered) and
+        never makes it wait for a whole snapshot; a pending resync or a failed
+        or slow push is left to the background loop.  True when pushed."""
+        if self._need_snapshot:
+            self.kick()
+            return False
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with self._lock:
+                    await self._push()
+            return True
+        except (InternalCallError, TimeoutError) as exc:
+            log.info("cache events not pushed with the reply (the background loop retries): %s",
+                     exc or "timed out")
+            self._need_snapshot = True
+            self.kick()
+            return False
 
     async def _push(self) -> None:
         if self._need_snapshot:
@@ -63,8 +82,8 @@ class CacheEventPusher:
                 node_id=self.node_id, epoch=batch.epoch, seq=batch.seq, stored=batch.stored,
                 evicted=batch.evicted, resync=batch.resync),
                 CacheEventsAck.from_wire, what="cache events")
-        except InternalCallError:
-            # The batch is lost with the failed call: resync next time.
+        except (InternalCallError, asyncio.CancelledError):
+            # The batch is lost with the failed (or abandoned) call: resync next time.
             self._need_snapshot = True
             raise
         if answer.resync:

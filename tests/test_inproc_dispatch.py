@@ -505,3 +505,28 @@ async def test_the_scheduled_trace_carries_the_planned_cached_tokens(conductor_f
     class Run:
         trace = scheduled.trace
     assert trace_headers("id", [Run()])["x-mooncaked-cached-tokens"] == str(2 * BLOCK)
+
+
+async def test_a_prefill_node_declared_dead_fails_its_requests_at_once(conductor_for):
+    """A partitioned prefill node sends no FIN: membership's verdict, not the
+    call, ends its requests (502) and frees the decode reservation."""
+    c = await conductor_for(FakePrefill(hold=asyncio.Event()))
+    task = asyncio.ensure_future(run(c.dispatcher.generate("req-dead", PROMPT, sampling()), []))
+    await asyncio.wait_for(c.prefill.started.wait(), 5)
+    registry = c.cluster.registry
+    registry.get("prefill-0").last_seen -= 1000.0   # its heartbeats stopped long ago
+    assert [r.node_id for r in registry.sweep(time.monotonic())] == ["prefill-0"]
+    error = await asyncio.wait_for(task, 5)
+    assert error is not None and error.status == 502 and "prefill-0 dead" in error.message
+    assert c.decode.cancels == ["req-dead"]
+    assert c.dispatcher.traces["req-dead"].status == "error 502"
+    assert c.dispatcher._prefill_calls == {} and c.dispatcher._abandoned == {}
+
+
+async def test_the_prefill_call_has_a_deadline_from_the_slo(conductor_for):
+    c = await conductor_for(ttft_slo_s=2.0)
+    from roles.conductor.dispatch import PREFILL_DEADLINE_FACTOR, PREFILL_DEADLINE_MARGIN_S
+    assert c.dispatcher.prefill_deadline_s(0.5) == PREFILL_DEADLINE_FACTOR * 2.0 + \
+        PREFILL_DEADLINE_MARGIN_S
+    assert c.dispatcher.prefill_deadline_s(7.0) == PREFILL_DEADLINE_FACTOR * 7.0 + \
+        PREFILL_DEADLINE_MARGIN_S

@@ -26,6 +26,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 from kvstore.keys import block_keys
 from model.sampling import SamplingParams
 from mooncaked.node.errors import ApiError
+from mooncaked.node.membership import NodeRecord
 from mooncaked.node.internal_client import (CANCEL_TIMEOUT_S, CONTROL_TIMEOUT_S, RESERVE_TIMEOUT_S,
                                             UNBOUNDED, InternalCallError, InternalClient)
 from mooncaked.node.messages import (CppPlan, DecodeStart, FetchPlan, Message, PrefillReply,
@@ -39,6 +40,12 @@ from roles.scheduling.state import Rejection, ScheduleRequest
 
 log = logging.getLogger("mooncaked.conductor.dispatch")
 T = TypeVar("T")
+
+# The conductor gives up on a prefill after FACTOR x max(TTFT SLO, predicted
+# TTFT) + MARGIN seconds: far past any useful answer, yet bounded, so that a
+# node that stopped answering (no FIN on a partition) cannot hold a request.
+PREFILL_DEADLINE_FACTOR = 3.0
+PREFILL_DEADLINE_MARGIN_S = 10.0
 
 
 @dataclass
@@ -92,6 +99,46 @@ class Dispatcher:
         self.traces: collections.OrderedDict[str, RequestTrace] = collections.OrderedDict()
         self.keep_traces = keep_traces
         self.reservation_keepalive_s = reservation_keepalive_s
+        # Prefill calls in flight per node: membership's "dead"/"left" fails
+        # them at once (a partitioned node sends no FIN; waiting for the call's
+        # own deadline would hold the request and its decode pages).
+        self._prefill_calls: dict[str, set[asyncio.Future]] = {}
+        self._abandoned: dict[asyncio.Future, str] = {}
+        cluster.registry.subscribe(self._on_membership)
+
+    def _on_membership(self, event: str, record: NodeRecord) -> None:
+        if event not in ("dead", "left"):
+            return
+        for call in self._prefill_calls.pop(record.node_id, set()):
+            if not call.done():
+                self._abandoned[call] = f"prefill node {record.node_id} {event} mid-request"
+                call.cancel()
+
+    def prefill_deadline_s(self, predicted_ttft_s: float) -> float:
+        """How long the conductor waits for a prefill: a multiple of what the
+        request may take (its TTFT SLO, or its prediction when larger)."""
+        budget = max(self.cluster.scheduler.config.ttft_slo_s, predicted_ttft_s)
+        return PREFILL_DEADLINE_FACTOR * budget + PREFILL_DEADLINE_MARGIN_S
+
+    async def _call_prefill(self, node_id: str, url: str, spec: PrefillRequest,
+                            deadline_s: float) -> PrefillReply:
+        call = asyncio.ensure_future(self.call_node(url + Route.PREFILL, spec,
+                                                    PrefillReply.from_wire, "prefill",
+                                                    timeout=deadline_s))
+        calls = self._prefill_calls.setdefault(node_id, set())
+        calls.add(call)
+        try:
+            return await call
+        except asyncio.CancelledError:
+            reason = self._abandoned.pop(call, None)
+            if reason is None:
+                raise  # our own caller was cancelled (client gone)
+            raise ApiError(502, reason) from None
+        finally:
+            calls.discard(call)
+            if not calls and self._prefill_calls.get(node_id) is calls:
+                del self._prefill_calls[node_id]
+            self._abandoned.pop(call, None)
 
     def _remember(self, trace: RequestTrace) -> None:
         self.traces[trace.request_id] = trace
@@ -203,8 +250,8 @@ class Dispatcher:
             # prefill finishes (or the node's heartbeat reports its real queue).
             keepalive = asyncio.ensure_future(self._keep_reserved(decode.url, request_id))
             try:
-                result = await self.call_node(prefill.url + Route.PREFILL, spec,
-                                              PrefillReply.from_wire, "prefill", timeout=UNBOUNDED)
+                result = await self._call_prefill(prefill.node_id, prefill.url, spec,
+                                                  self.prefill_deadline_s(decision.predicted_ttft_s))
             finally:
                 await cancel_and_wait(keepalive)
             prefill_done = True

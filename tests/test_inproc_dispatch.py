@@ -530,3 +530,20 @@ async def test_the_prefill_call_has_a_deadline_from_the_slo(conductor_for):
         PREFILL_DEADLINE_MARGIN_S
     assert c.dispatcher.prefill_deadline_s(7.0) == PREFILL_DEADLINE_FACTOR * 7.0 + \
         PREFILL_DEADLINE_MARGIN_S
+
+
+async def test_a_prefill_node_refusing_connections_is_taken_out_at_once(conductor_for):
+    """kill -9 leaves nothing listening: the first refused connection takes the
+    node out (no waiting for heartbeats to time out); it must register again."""
+    closed = TestServer(web.Application(), host="127.0.0.1")
+    await closed.start_server()
+    dead_url = str(closed.make_url("")).rstrip("/")
+    await closed.close()
+    c = await conductor_for(prefill_url=dead_url)
+    registry = c.cluster.registry
+    assert (await run(c.dispatcher.generate("req-k", PROMPT, sampling()), [])).status == 502
+    assert not registry.get("prefill-0").alive
+    assert registry.heartbeat("prefill-0", {}, time.monotonic()) is False  # re-register first
+    error = await run(c.dispatcher.generate("req-k2", PROMPT, sampling()), [])
+    assert error is not None and error.status == 503   # no live prefill node left to try
+    assert c.prefill.received == []

@@ -50,11 +50,15 @@ class InternalCallError(Exception):
     or answered something that does not decode; ``detail`` says what went wrong
     (for an error status: the node's own message)."""
 
-    def __init__(self, target: str, what: str, detail: str, status: int | None = None) -> None:
+    def __init__(self, target: str, what: str, detail: str, status: int | None = None,
+                 refused: bool = False) -> None:
         self.target = target
         self.what = what
         self.detail = detail
         self.status = status
+        # The connection itself could not be made (refused, no route): the
+        # node is down, not merely slow.
+        self.refused = refused
         where = f" (HTTP {status})" if status is not None else ""
         super().__init__(f"{what} failed{where}: {detail}")
 
@@ -113,7 +117,8 @@ class InternalClient:
                                             resp.status)
                 yield resp
         except _TRANSPORT_ERRORS as exc:
-            raise InternalCallError(url, what, f"{type(exc).__name__}: {exc}") from None
+            raise InternalCallError(url, what, f"{type(exc).__name__}: {exc}",
+                                    refused=isinstance(exc, aiohttp.ClientConnectorError)) from None
 
     def _decode(self, url: str, what: str, decode: Callable[[Any], T], body: bytes) -> T:
         try:

@@ -99,6 +99,17 @@ class NodeRegistry:
             self._emit("left", record)
         return True
 
+    def declare_dead(self, node_id: str) -> bool:
+        """Mark a node dead before its heartbeats time out (a caller could not
+        connect to it at all).  A node that is in fact alive is refused at its
+        next heartbeat and registers again."""
+        record = self._nodes.get(node_id)
+        if record is None or not record.alive:
+            return False
+        record.alive = False
+        self._emit("dead", record)
+        return True
+
     def sweep(self, now: float) -> list[NodeRecord]:
         """Mark nodes dead whose heartbeats stopped; returns the newly dead."""
         dead = []

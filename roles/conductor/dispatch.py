@@ -122,9 +122,7 @@ class Dispatcher:
 
     async def _call_prefill(self, node_id: str, url: str, spec: PrefillRequest,
                             deadline_s: float) -> PrefillReply:
-        call = asyncio.ensure_future(self.call_node(url + Route.PREFILL, spec,
-                                                    PrefillReply.from_wire, "prefill",
-                                                    timeout=deadline_s))
+        call = asyncio.ensure_future(self._prefill_once(node_id, url, spec, deadline_s))
         calls = self._prefill_calls.setdefault(node_id, set())
         calls.add(call)
         try:
@@ -139,6 +137,19 @@ class Dispatcher:
             if not calls and self._prefill_calls.get(node_id) is calls:
                 del self._prefill_calls[node_id]
             self._abandoned.pop(call, None)
+
+    async def _prefill_once(self, node_id: str, url: str, spec: PrefillRequest,
+                            deadline_s: float) -> PrefillReply:
+        try:
+            return await self.client.call(url + Route.PREFILL, spec, PrefillReply.from_wire,
+                                          what="prefill", timeout=deadline_s)
+        except InternalCallError as exc:
+            if exc.refused and self.cluster.registry.declare_dead(node_id):
+                # A killed node refuses connections long before its heartbeats
+                # time out: stop scheduling onto it now.
+                log.warning("prefill node %s refused a connection: taken out of the cluster "
+                            "until it registers again", node_id)
+            raise exc.to_api_error() from None
 
     def _remember(self, trace: RequestTrace) -> None:
         self.traces[trace.request_id] = trace

@@ -11,6 +11,7 @@ its own weights and buffer, no batcher).
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -238,7 +239,8 @@ async def test_cancel_mid_generation_frees_the_pages_and_the_others_carry_on(mak
     long_page = batcher.seqs["long"].pages[0]
     steps_before = sum(long_page in step for step in worker.batches)
     assert batcher.release("long", "cancelled") is True
-    assert free_pages(batcher) == 24 - 4                     # only short's pages remain
+    # Its pages come back once the decode step in flight (if any) has ended.
+    await until(lambda: free_pages(batcher) == 24 - 4)       # only short's pages remain
     assert batcher.release("long", "cancelled") is False
     rest, why = await drain(long_q)
     assert why == "released"                                  # the stream ends with None
@@ -280,3 +282,53 @@ async def test_close_releases_every_reservation_and_ends_every_stream(make_batch
     assert batcher.seqs == {} and free_pages(batcher) == 16
     _, why = await drain(queue)
     assert why == "released"
+
+
+async def until(predicate, bound_s: float = 10.0) -> None:
+    async with asyncio.timeout(bound_s):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+class GatedWorker(TinyWorker):
+    """Decode steps wait on ``gate`` on the compute thread, as a long step would."""
+
+    def __init__(self, weights, pages: int) -> None:
+        super().__init__(weights, pages)
+        self.gate = threading.Event()
+        self.in_step = threading.Event()
+
+    async def compute(self, fn, *args):
+        if fn == self.runner.decode_step:
+            def gated(*a):
+                self.in_step.set()
+                self.gate.wait(10)
+                return fn(*a)
+            return await asyncio.get_running_loop().run_in_executor(self.pool, gated, *args)
+        return await super().compute(fn, *args)
+
+
+async def test_pages_of_a_sequence_in_the_step_in_flight_stay_fenced_until_it_ends(tiny_weights):
+    """The compute thread writes every batched sequence's KV during a step: a
+    cancel in the meantime must not hand those pages to another request."""
+    worker = GatedWorker(tiny_weights, pages=8)
+    batcher = DecodeBatcher(worker, 8, 60.0, [])
+    batcher.run()
+    try:
+        prompt = tokens(10, seed=30)
+        first = await prefill(batcher, worker, "a", prompt, 30)          # 3 pages
+        batcher.start("a", len(prompt), first, greedy(30))
+        await asyncio.get_running_loop().run_in_executor(None, worker.in_step.wait, 10)
+        assert batcher.release("a", "cancelled")
+        assert free_pages(batcher) == 8 - 3 and batcher.load()["fenced_pages"] == 3
+        with pytest.raises(StoreFullError):
+            batcher.reserve("b", 8 * BLOCK)           # the fenced pages are not reusable yet
+        worker.gate.set()
+        await until(lambda: free_pages(batcher) == 8)
+        assert batcher.load()["fenced_pages"] == 0
+        assert len(batcher.reserve("b", 8 * BLOCK)) == 8
+    finally:
+        worker.gate.set()
+        await batcher.close()
+        worker.pool.shutdown(wait=True)
+

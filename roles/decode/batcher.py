@@ -7,7 +7,12 @@ A request's life here:
   generate  once prefill has finished (all KV has arrived), the request joins
             the running batch with its first token; each step decodes every
             running sequence at once and pushes one token per sequence;
-  finish    EOS/stop token, max_tokens, cancel or client gone: pages freed.
+  finish    EOS/stop token, max_tokens, cancel or client gone: pages freed,
+            but never while the compute thread may still write them: a
+            decode step in flight writes the KV of every sequence in its
+            batch, so a sequence released during a step keeps its pages
+            fenced until that step has ended.  (Late one-sided WRITEs of a
+            cancelled prefill are not fenced here yet: see docs/RELIABILITY.md.)
 A reservation whose ``generate`` never comes is freed after
 ``reservation_timeout_s`` without a ``touch`` (the conductor touches it while
 the request's prefill is queued or running, so only a dead conductor or a
@@ -62,6 +67,9 @@ class DecodeBatcher:
         self.reservation_timeout_s = reservation_timeout_s
         self.eos_ids = frozenset(eos_ids)
         self.seqs: dict[str, Sequence] = {}
+        # Pages of sequences released during the step in flight: freed when it ends.
+        self._fenced: list[list[int]] = []
+        self._stepping: frozenset[str] = frozenset()   # request ids in the step in flight
         self.running: list[Sequence] = []
         self.waiting: deque[Sequence] = deque()
         self._wake = asyncio.Event()
@@ -97,7 +105,10 @@ class DecodeBatcher:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
-        self.shard.free(seq.pages)
+        if request_id in self._stepping:
+            self._fenced.append(seq.pages)
+        else:
+            self.shard.free(seq.pages)
         if seq.out is not None:
             seq.out.put_nowait(None)
         return True
@@ -155,7 +166,12 @@ class DecodeBatcher:
             batch = list(self.running)
             seqs = [DecodeSeq(s.tokens[-1], s.position, s.pages) for s in batch]
             t0 = time.perf_counter()
-            logits = await self.worker.compute(self.worker.runner.decode_step, seqs)
+            self._stepping = frozenset(s.request_id for s in batch)
+            try:
+                logits = await self.worker.compute(self.worker.runner.decode_step, seqs)
+            finally:
+                self._stepping = frozenset()
+                self._free_fenced()
             self.step_times.append(time.perf_counter() - t0)
             self.steps += 1
             for seq, row in zip(batch, logits):
@@ -166,6 +182,11 @@ class DecodeBatcher:
             for seq in batch:
                 if seq.finished is not None and seq in self.running:
                     self.running.remove(seq)
+
+    def _free_fenced(self) -> None:
+        for pages in self._fenced:
+            self.shard.free(pages)
+        self._fenced = []
 
     async def _sweep(self) -> None:
         while True:
@@ -181,11 +202,14 @@ class DecodeBatcher:
         await cancel_and_wait(self._task, self._sweeper)
         for request_id in list(self.seqs):
             self.release(request_id, "shutdown")
+        # The loop is gone (and the node is stopping): free what it fenced.
+        self._free_fenced()
 
     def load(self) -> dict:
         times = sorted(self.step_times)
         return {"batch_size": len(self.running), "waiting": len(self.waiting),
                 "reservations": len(self.seqs), "free_pages": self.shard.stats().free_pages,
+                "fenced_pages": sum(len(pages) for pages in self._fenced),
                 "recent_tbt_s": times[len(times) // 2] if times else 0.0,
                 "context_tokens": sum(s.position + 1 for s in self.running),
                 "tokens_out": self.tokens_out, "steps": self.steps}

@@ -2,10 +2,15 @@
 
 Starts one conductor, then N prefill and M decode nodes of this same binary on
 free loopback ports, forwards ``--model``/``--config``/``--set`` to each, waits
-until every node is ready and registered, prints the API URL and tears the
-cluster down on Ctrl-C/SIGTERM (workers first, then the conductor; SIGKILL
-after a grace period).  Children also get PR_SET_PDEATHSIG, so a launcher
-killed with -9 does not leave orphans behind.
+until every node is ready and registered and prints the API URL.  Then it
+supervises them like systemd's ``Restart=on-failure``: a node that dies is
+started again with back-off on the same port with the same arguments and node
+id (workers re-register by themselves; a new conductor gets every worker back
+and rebuilds its cache index from their snapshots) while the others keep
+serving; ``up`` gives up only when a node crash-loops (``supervisor.py``).
+Ctrl-C/SIGTERM tears the cluster down (workers first, then the conductor;
+SIGKILL after a grace period).  Children also get PR_SET_PDEATHSIG, so a
+launcher killed with -9 does not leave orphans behind.
 """
 
 from __future__ import annotations
@@ -18,14 +23,17 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import typer
+
+from mooncaked.supervisor import CrashLoop, RestartPolicy, RestartTracker
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -70,6 +78,10 @@ class Child:
     port: int
     log_path: Path
     proc: subprocess.Popen
+    # How it was started (``spawn``'s arguments), so ``respawn`` can do it again.
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] | None = None
+    cwd: Path | None = None
 
     @property
     def url(self) -> str:
@@ -78,26 +90,35 @@ class Child:
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def tail(self, lines: int = 5) -> str:
+        """The last ``lines`` lines of its log, indented, for an error message."""
+        return "\n  ".join(["", *self.output().strip().splitlines()[-lines:]])
+
     def check_alive(self) -> None:
         code = self.proc.poll()
         if code is not None:
-            tail = self.output().strip().splitlines()[-5:]
-            raise RuntimeError(f"{self.name} exited with code {code} during start-up:\n  "
-                               + "\n  ".join(tail))
+            raise RuntimeError(f"{self.name} exited with code {code} during start-up:{self.tail()}")
+
+    def ready(self, timeout_s: float = 1.0) -> bool:
+        """``/readyz`` answers 200 (a worker is ready only once registered)."""
+        try:
+            return http_json(self.url + "/readyz", timeout=timeout_s)[0] == 200
+        except (urllib.error.URLError, OSError):
+            return False
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Until ``/readyz`` answers 200; RuntimeError if the process exits or time runs out."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.check_alive()
-            try:
-                status, _ = http_json(self.url + "/readyz", timeout=1.0)
-                if status == 200:
-                    return
-            except (urllib.error.URLError, OSError):
-                pass
+            if self.ready():
+                return
             time.sleep(0.1)
         raise RuntimeError(f"{self.name} not ready in time (log: {self.log_path})")
+
+    def respawn(self) -> Child:
+        """The same node started again: same command line (port, node id), same log."""
+        return spawn(self.name, self.role, self.port, self.args, self.log_path, self.env, self.cwd)
 
     def terminate(self, timeout: float = 20.0) -> int:
         """SIGTERM (a graceful stop) and wait: the exit code."""
@@ -116,13 +137,21 @@ def spawn(name: str, role: str, port: int, args: list[str], log_path: Path,
     """Start ``mooncaked <args>`` with its output appended to ``log_path``."""
     # Oversubscribed OpenMP threads that spin while waiting steal the cores
     # the other nodes compute on: make idle ones sleep instead.
-    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
-           **(env or {})}
+    full_env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+                **(env or {})}
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(mooncaked_cmd(*args), stdout=log, stderr=subprocess.STDOUT,
-                                env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+                                env=full_env, cwd=cwd, stdin=subprocess.DEVNULL,
                                 start_new_session=True, preexec_fn=_die_with_parent)
-    return Child(name, role, port, log_path, proc)
+    return Child(name, role, port, log_path, proc, list(args), env, cwd)
+
+
+def log_to_stderr(line: str) -> None:
+    typer.echo(f"mooncaked up: {line}", err=True)
+
+
+class NodeExited(RuntimeError):
+    """A node exited while restarting is off (``up --no-restart``)."""
 
 
 @dataclass
@@ -137,7 +166,15 @@ class LocalCluster:
     role_of_workers: tuple[str, str] = ("prefill", "decode")
     # Nodes in one Chunked Pipeline Parallelism prefill group (0 = none).
     cpp_group: int = 0
+    # How ``poll_restarts`` treats a node that died; None: any exit is fatal.
+    restart_policy: Optional[RestartPolicy] = field(default_factory=RestartPolicy)
     children: list[Child] = field(default_factory=list)
+    _trackers: dict[str, RestartTracker] = field(default_factory=dict, init=False, repr=False)
+    # Nodes that exited 0 (stopped on purpose): not restarted, as on-failure.
+    _stopped_cleanly: set[str] = field(default_factory=set, init=False, repr=False)
+    # Held while the children are changed, so stop() never races a restart.
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    _stopping: bool = field(default=False, init=False, repr=False)
 
     @property
     def conductor(self) -> Child:
@@ -167,7 +204,21 @@ class LocalCluster:
         cmd += extra
         child = spawn(name, role, port, cmd, self.log_dir / f"{name}.log")
         self.children.append(child)
+        return self._started(child, time.monotonic())
+
+    def _tracker(self, name: str) -> RestartTracker:
+        policy = self.restart_policy or RestartPolicy()
+        return self._trackers.setdefault(name, RestartTracker(policy))
+
+    def _started(self, child: Child, now: float) -> Child:
+        self._tracker(child.name).on_start(now)
         return child
+
+    def _respawn(self, child: Child, now: float) -> Child:
+        """Start a dead node again in its place (same port, arguments, node id)."""
+        new = child.respawn()
+        self.children[next(i for i, c in enumerate(self.children) if c is child)] = new
+        return self._started(new, now)
 
     def start(self, timeout_s: float = 120.0) -> None:
         if self.log_dir is None:
@@ -206,19 +257,64 @@ class LocalCluster:
     def restart_conductor(self, timeout_s: float = 30.0) -> None:
         """Start a new conductor on the same port after the old one died (the
         workers re-register by themselves)."""
-        old = self.children[0]
-        if old.proc.poll() is None:
-            raise RuntimeError("the conductor is still running")
-        new = self._spawn("conductor", "conductor", [], port=old.port)
-        self.children.remove(new)
-        self.children[0] = new
+        with self._lock:
+            if self.conductor.proc.poll() is None:
+                raise RuntimeError("the conductor is still running")
+            new = self._respawn(self.conductor, time.monotonic())
         self._wait_ready(new, time.monotonic() + timeout_s)
 
-    def dead_children(self) -> list[Child]:
-        return [c for c in self.children if c.proc.poll() is not None]
+    def poll_restarts(self, now: float, log: Callable[[str], None] = log_to_stderr) -> None:
+        """One supervision step at ``now`` (``time.monotonic()``): notice the
+        nodes that exited, start again those whose back-off is over, and say
+        when a restarted one is ready (a worker: registered) again.
+
+        Raises CrashLoop when a node keeps dying (the caller stops the
+        cluster), NodeExited on any exit when ``restart_policy`` is None."""
+        with self._lock:
+            if self._stopping:
+                return
+            for child in list(self.children):
+                if child.name in self._stopped_cleanly:
+                    continue
+                tracker = self._tracker(child.name)
+                if tracker.restart_at is not None:  # waiting out its back-off
+                    if tracker.due(now):
+                        new = self._respawn(child, now)
+                        log(f"{child.name} started again on port {child.port} (pid {new.proc.pid})")
+                elif (code := child.proc.poll()) is not None:
+                    self._on_exit(child, code, now, log)
+                elif tracker.down_since is not None and child.ready(timeout_s=0.5):
+                    log(f"{child.name} is back: ready {tracker.on_ready(now):.1f}s after it died")
+
+    def _on_exit(self, child: Child, code: int, now: float, log: Callable[[str], None]) -> None:
+        where = f"log {child.log_path}:{child.tail()}"
+        if self.restart_policy is None:
+            raise NodeExited(f"{child.name} exited with code {code}; {where}")
+        if not self.restart_policy.restarts_after(code):
+            self._stopped_cleanly.add(child.name)
+            log(f"{child.name} exited cleanly (code 0): not restarting it")
+            return
+        tracker = self._tracker(child.name)
+        try:
+            backoff = tracker.on_exit(now)
+        except CrashLoop as exc:
+            raise CrashLoop(f"{child.name} is crash-looping ({exc}, the last with code {code}); "
+                            f"giving up; {where}") from None
+        log(f"{child.name} exited with code {code}; restarting it in {backoff:g}s "
+            f"(restart {tracker.restarts}); {where}")
+
+    def supervise(self, stop: threading.Event | None = None,
+                  log: Callable[[str], None] = log_to_stderr, interval_s: float = 0.2) -> None:
+        """``poll_restarts`` every ``interval_s`` until ``stop`` is set or the
+        cluster is stopped; raises what it raises."""
+        stop = stop or threading.Event()
+        while not stop.wait(interval_s) and not self._stopping:
+            self.poll_restarts(time.monotonic(), log)
 
     def stop(self, grace_s: float = 15.0) -> None:
         """Workers first (they deregister), then the conductor; SIGKILL stragglers."""
+        with self._lock:  # no restart from here on
+            self._stopping = True
         for group in (self.children[1:], self.children[:1]):
             for child in group:
                 if child.proc.poll() is None:
@@ -230,6 +326,17 @@ class LocalCluster:
                 except subprocess.TimeoutExpired:
                     child.proc.kill()
                     child.proc.wait()
+
+
+DEFAULT_RESTART_POLICY = RestartPolicy()
+
+
+def _restart_help(p: RestartPolicy) -> str:
+    return (f"Restart a node that dies, like systemd's Restart=on-failure: on the same port and "
+            f"node id, after a back-off of {p.backoff_initial_s:g} s doubling up to "
+            f"{p.backoff_max_s:g} s, each restart logged on stderr; exit 1 when one node exits "
+            f"{p.crash_loop_restarts} times within {p.crash_loop_window_s:g} s. "
+            "--no-restart: the first exit of any node stops the cluster.")
 
 
 def register(app: typer.Typer) -> None:
@@ -248,12 +355,17 @@ def register(app: typer.Typer) -> None:
         port: int = typer.Option(0, "--port", help="Conductor API port (0 = any free port)."),
         log_dir: Optional[Path] = typer.Option(None, "--log-dir", help="Where node logs go (default: a temp dir)."),
         demo: bool = typer.Option(False, "--demo", help="Send demo requests sharing prefixes, print TTFT with and without reuse, then exit."),
+        restart: bool = typer.Option(
+            True, "--restart/--no-restart",
+            help=_restart_help(DEFAULT_RESTART_POLICY)),
     ) -> None:
-        """Run a local cluster: one conductor plus prefill and decode nodes on loopback."""
+        """Run a local cluster: one conductor plus prefill and decode nodes on loopback,
+        restarting a node that dies."""
         cluster = LocalCluster(prefill=prefill if not colocated else colocated,
                                decode=decode if not colocated else 0, model=model, config=config,
                                overrides=list(overrides), port=port, log_dir=log_dir,
-                               cpp_group=cpp_group)
+                               cpp_group=cpp_group,
+                               restart_policy=DEFAULT_RESTART_POLICY if restart else None)
         if colocated:
             cluster.role_of_workers = ("colocated", "decode")
         stop_requested = []
@@ -274,14 +386,10 @@ def register(app: typer.Typer) -> None:
                 from mooncaked.demo import run_demo
                 run_demo(cluster.url)
             else:
-                while True:
-                    time.sleep(0.5)
-                    for child in cluster.dead_children():
-                        raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} "
-                                           f"(log: {child.log_path})")
+                cluster.supervise()
         except KeyboardInterrupt:
             typer.echo("stopping cluster ...", err=True)
-        except RuntimeError as exc:
+        except (RuntimeError, CrashLoop) as exc:
             typer.echo(f"mooncaked up: {exc}", err=True)
             code = 1
         finally:

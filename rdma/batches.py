@@ -27,6 +27,10 @@ class Batches:
         self._next_batch = 1
         self.started = False
 
+    def __len__(self) -> int:
+        """Batches in the table: allocated and not yet freed (``transfer()``'s own included)."""
+        return len(self._batches)
+
     def allocate(self, n: int) -> BatchId:
         if n < 1:
             raise ValueError(f"batch size must be >= 1, got {n}")
@@ -95,13 +99,30 @@ class Batches:
                     r.task.cancel()
             raise
         finally:
-            if all(r.state.done for r in self._batches[bid].reqs):
-                del self._batches[bid]
+            self._drop_when_ended(bid)
         bad = [(i, s) for i, s in enumerate(statuses) if s.state != TransferState.COMPLETED]
         if bad:
             i, s = bad[0]
             raise TransferError(f"request {i}: {s.state.value}: {s.reason} "
                                 f"({len(bad)} of {len(statuses)} requests did not complete)", statuses)
+
+    def _drop_when_ended(self, bid: BatchId) -> None:
+        """Remove ``transfer()``'s own batch now, or when its last task ends:
+        a task just cancelled has not ended yet, and no caller is left to free it."""
+        left = [r.task for r in self._batches[bid].reqs if r.task is not None and not r.task.done()]
+        if not left:
+            del self._batches[bid]
+            return
+        pending = len(left)
+
+        def ended(_task: asyncio.Task) -> None:
+            nonlocal pending
+            pending -= 1
+            if not pending:
+                self._batches.pop(bid, None)
+
+        for task in left:
+            task.add_done_callback(ended)
 
     def cancel_all(self) -> None:
         for b in self._batches.values():

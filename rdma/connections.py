@@ -143,7 +143,8 @@ class Connections:
         ep.retire()
 
     async def _watch(self) -> None:
-        """Declare endpoints dead when they have work but make no progress."""
+        """Declare endpoints dead when they have work but make no progress;
+        forget the state of paths nothing uses any more."""
         period = min(self.config.stall_timeout_s / 4, 0.5)
         while True:
             await asyncio.sleep(period)
@@ -151,3 +152,13 @@ class Connections:
             for ep in self.pool.values():
                 if ep.pending and now - ep.last_progress > self.config.stall_timeout_s:
                     ep.abort(f"no progress for stall_timeout_s={self.config.stall_timeout_s}s")
+            self.forget_idle(now)
+
+    def forget_idle(self, now: float) -> None:
+        """Bound the per-path tables by the paths in use, not every path ever
+        used: a path with nothing in flight has no slice holding or awaiting
+        its semaphore (a slice counts its bytes before it queues for a slot
+        and uncounts them after it gave the slot back)."""
+        self.paths.forget_idle(now)
+        for key in [k for k in self._slots if k not in self.paths.inflight]:
+            del self._slots[key]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from .descriptors import SegmentDescriptor
+from .endpoint_pool import SievePool
 
 # Looks a segment up by name (the node asks the conductor); None = unknown.
 # It may answer with the wire dict or an already decoded descriptor.
@@ -16,30 +17,40 @@ def decode(desc: dict | SegmentDescriptor) -> SegmentDescriptor:
 
 
 class SegmentDirectory:
-    """Descriptors are cached under the name they carry; a descriptor that
-    came from the resolver may go stale (the peer restarted elsewhere), so
+    """Descriptors are kept under the name they carry: those ``add``ed for as
+    long as the owner says, those from the resolver in a cache of
+    ``cache_size`` (SIEVE), so a daemon talking to ever new peers holds a
+    bounded number; an evicted one is simply asked for again. A descriptor
+    from the resolver may go stale (the peer restarted elsewhere), so
     ``invalidate`` drops it and the next request asks again."""
 
-    def __init__(self) -> None:
+    def __init__(self, cache_size: int = 1024) -> None:
         self._known: dict[str, SegmentDescriptor] = {}
+        self._cached: SievePool[str, SegmentDescriptor] = SievePool(cache_size)
         self._resolver: Resolver | None = None
+
+    def __len__(self) -> int:
+        """Descriptors held, added and cached."""
+        return len(self._known) + len(self._cached)
 
     def add(self, desc: dict | SegmentDescriptor) -> SegmentDescriptor:
         """Record ``desc``; raises ValueError naming the field it gets wrong."""
         seg = decode(desc)
         self._known[seg.name] = seg
+        self._cached.remove(seg.name)
         return seg
 
     def set_resolver(self, resolver: Resolver | None) -> None:
         self._resolver = resolver
 
     async def resolve(self, name: str) -> SegmentDescriptor | None:
-        """The cached descriptor, else the resolver's answer (cached); None if unknown."""
-        seg = self._known.get(name)
+        """The known or cached descriptor, else the resolver's answer (cached); None if unknown."""
+        seg = self._known.get(name) or self._cached.get(name)
         if seg is None and self._resolver is not None:
             found = await self._resolver(name)
             if found is not None:
-                seg = self.add(found)
+                seg = decode(found)
+                self._cached.put(seg.name, seg)
         return seg
 
     def invalidate(self, name: str) -> None:
@@ -47,3 +58,4 @@ class SegmentDirectory:
         (without one, a dropped descriptor could never come back)."""
         if self._resolver is not None:
             self._known.pop(name, None)
+            self._cached.remove(name)

@@ -39,7 +39,10 @@ class TransferEngine:
         self.config = config
         self.name = segment_name
         self._local = LocalSegment(config, segment_name)
-        self._directory = SegmentDirectory()
+        # A peer in use holds an endpoint, and the pool keeps max_endpoints:
+        # caching more resolved descriptors than that would only save a
+        # lookup before a connect.
+        self._directory = SegmentDirectory(config.max_endpoints)
         self._connections = Connections(config, self._directory)
         self._runner = RequestRunner(config, self._local, self._directory, self._connections)
         self._batches = Batches(self._local.regions, self._runner.run)
@@ -165,4 +168,5 @@ class TransferEngine:
             "retries": self.retries,
             "path_failures": self.path_failures,
             "refused_connections": self._local.refused,
+            "batches": len(self._batches),
         }

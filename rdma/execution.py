@@ -22,6 +22,10 @@ class RequestFailed(Exception):
     """The request cannot complete; the message becomes its ``reason``."""
 
 
+class _PathLost(Exception):
+    """The path failed while the slice queued for it; nothing was posted."""
+
+
 @dataclass
 class RequestState:
     request: TransferRequest
@@ -37,9 +41,11 @@ class RequestState:
 class RequestRunner:
     """Drives requests to an end state and counts what moved where.
 
-    A request is COMPLETED when all its slices are; FAILED when a slice runs
-    out of retries (``max_retries`` re-posts, each on another path when one
-    is usable); TIMEOUT when ``request_timeout_s`` passes first.
+    A request is COMPLETED when all its slices are; FAILED when its target
+    cannot be resolved or checked, or when a slice runs out of retries
+    (``max_retries`` re-posts after a failed post, each on another path when
+    one is usable); TIMEOUT when ``request_timeout_s`` passes first. Waiting
+    for a path to reopen spends no attempt: only the deadline bounds it.
     """
 
     def __init__(self, config: TransferConfig, local: LocalSegment, directory: SegmentDirectory,
@@ -62,7 +68,11 @@ class RequestRunner:
         req = st.request
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
-                desc = await self.directory.resolve(req.target_segment)
+                try:
+                    desc = await self.directory.resolve(req.target_segment)
+                except Exception as e:  # not BaseException: cancellation and the deadline go through
+                    raise RequestFailed(f"cannot resolve segment {req.target_segment!r}: "
+                                        f"{type(e).__name__}: {e}") from e
                 if desc is None:
                     raise RequestFailed(f"unknown segment {req.target_segment!r}")
                 rreg = desc.region(req.target_region)
@@ -77,6 +87,9 @@ class RequestRunner:
                         raise RequestFailed(f"local region {req.local_region} was unregistered")
                     primary, fallback = slicing.plan_paths(self.local.topology, local.location,
                                                            Topology(desc.topology), rreg.location)
+                    if not primary and not fallback:
+                        raise RequestFailed(f"no path from our nics to segment {req.target_segment!r}: its "
+                                            f"topology names no nic for {rreg.location!r}")
                     st.state = TransferState.PENDING
                     parts = slicing.cut(req.local_offset, req.target_offset, req.length, self.slice_bytes)
                     try:
@@ -104,52 +117,72 @@ class RequestRunner:
 
     async def _run_slice(self, st: RequestState, desc: SegmentDescriptor, local: Region, s: slicing.Slice,
                          primary: list[Path], fallback: list[Path]) -> None:
+        """Post ``s`` until it is acknowledged or ``max_retries`` re-posts failed
+        too. Only a failed post spends an attempt: waiting for a path (every one
+        is backing off, or being probed by another slice) does not, and the
+        request's deadline (the ``asyncio.timeout`` in ``run``) bounds it."""
         seg = desc.name
-        req = st.request
         paths = self.connections.paths
-        view = local.view[s.local_offset:s.local_offset + s.length]
-        last, avoid = "no usable path", None
-        for attempt in range(self.config.max_retries + 1):
-            if attempt:
-                self.retries += 1
+        failures, repost, last, avoid = 0, False, "no usable path", None
+        while True:
             path = paths.choose(seg, primary, fallback, avoid)
             if path is None:
-                # Every path is backing off: wait for the first to reopen
-                # (the request deadline still bounds the total wait).
-                delay = paths.next_usable_at(seg, primary + fallback) - time.monotonic()
-                await asyncio.sleep(max(delay, 0.005))
-                path = paths.choose(seg, primary, fallback, avoid)
-                if path is None:
-                    continue
-            probe = paths.is_probe(seg, path)
-            slots = self.connections.slots(seg, path)
-            paths.add_inflight(seg, path, s.length)
-            fut: asyncio.Future | None = None
-            ep: Endpoint | None = None
+                await paths.wait_usable(seg, primary + fallback)
+                continue
+            if repost:
+                self.retries += 1
+                repost = False
             try:
-                async with slots:
-                    if not probe and not paths.usable(seg, path, time.monotonic()):
-                        # The path failed while we queued for it: go elsewhere.
-                        raise EndpointError(paths.health[(seg, path)].last_reason or "path backing off")
-                    ep = await self.connections.endpoint(desc, path)
-                    fut = ep.post(req.op, req.target_region, s.remote_offset, view, local.id, s.local_offset)
-                    await fut
-            except EndpointError as e:
+                await self._post(st, desc, local, s, path)
+            except _PathLost as e:
                 last, avoid = str(e), path
                 continue
-            except asyncio.CancelledError:
-                paths.release_probe(seg, path)
-                if fut is not None and not fut.done() and ep is not None:
-                    # Never let bytes of a finished (timed-out) request land later.
-                    ep.abort("request cancelled or timed out", penalize=False)
-                raise
-            finally:
-                paths.add_inflight(seg, path, -s.length)
-            paths.success(seg, path)
+            except EndpointError as e:
+                last, avoid = str(e), path
+                failures += 1
+                if failures > self.config.max_retries:
+                    raise RequestFailed(f"slice at offset {s.remote_offset - st.request.target_offset} failed "
+                                        f"{failures} times; last error: {last}") from None
+                repost = True
+                continue
             self.nic_bytes[path[0]] = self.nic_bytes.get(path[0], 0) + s.length
             pk = f"{path[0]}->{path[1]}"
             self.path_bytes[pk] = self.path_bytes.get(pk, 0) + s.length
             st.transferred += s.length
             return
-        raise RequestFailed(f"slice at offset {s.remote_offset - req.target_offset} failed "
-                            f"{self.config.max_retries + 1} times; last error: {last}")
+
+    async def _post(self, st: RequestState, desc: SegmentDescriptor, local: Region, s: slicing.Slice,
+                    path: Path) -> None:
+        """Post ``s`` on ``path`` (queueing for one of its slots) and await the
+        acknowledgement; EndpointError if the post failed, _PathLost if the
+        path failed before the slice got a slot."""
+        seg, req = desc.name, st.request
+        paths = self.connections.paths
+        probe = paths.is_probe(seg, path)
+        slots = self.connections.slots(seg, path)
+        paths.add_inflight(seg, path, s.length)
+        fut: asyncio.Future | None = None
+        ep: Endpoint | None = None
+        answered = False
+        try:
+            async with slots:
+                if not probe and not paths.usable(seg, path, time.monotonic()):
+                    raise _PathLost(paths.health[(seg, path)].last_reason or "path backing off")
+                ep = await self.connections.endpoint(desc, path)
+                view = local.view[s.local_offset:s.local_offset + s.length]
+                fut = ep.post(req.op, req.target_region, s.remote_offset, view, local.id, s.local_offset)
+                await fut
+            answered = True
+        except asyncio.CancelledError:
+            if fut is not None and not fut.done() and ep is not None:
+                # Never let bytes of a finished (timed-out) request land later.
+                ep.abort("request cancelled or timed out", penalize=False)
+            raise
+        finally:
+            paths.add_inflight(seg, path, -s.length)
+            if probe and not answered:
+                # A failure charged to the path already ended the probe; any
+                # other end (cancelled, an abort not charged) must, or no slice
+                # would ever try the path again.
+                paths.release_probe(seg, path)
+        paths.success(seg, path)

@@ -9,11 +9,14 @@ fewest bytes in flight, so faster links naturally take more slices.
 
 Path health: a failure puts the path in back-off (``base * 2**(k-1)``,
 capped); when the back-off ends one slice *probes* it; success clears the
-record, failure doubles the back-off.
+record, failure doubles the back-off. A slice that finds no usable path
+waits (``wait_usable``) for a back-off to end or for a probe to finish.
 """
 
 from __future__ import annotations
 
+import asyncio
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -44,7 +47,7 @@ def plan_paths(local: Topology, local_location: str, remote: Topology,
     lp, ls = local.lists(local_location)
     rp, rs = remote.lists(remote_location)
     primary: list[Path] = []
-    for i in range(max(len(lp), len(rp))):
+    for i in range(max(len(lp), len(rp)) if lp and rp else 0):  # a side may prefer no nic
         p = (lp[i % len(lp)], rp[i % len(rp)])
         if p not in primary:
             primary.append(p)
@@ -66,12 +69,20 @@ class PathHealth:
 
 @dataclass
 class PathTable:
-    """Health and load of paths to every segment, keyed (segment, path)."""
+    """Health and load of paths to every segment, keyed (segment, path).
+
+    Both tables hold only what is live: ``inflight`` a path's bytes while
+    any are in flight, ``health`` a path that failed until it succeeds or
+    ``forget_idle`` finds it long out of back-off and unused (a peer that
+    went away), so neither grows with the peers ever seen.
+    """
 
     backoff_s: float
     backoff_max_s: float
     health: dict[tuple[str, Path], PathHealth] = field(default_factory=dict)
     inflight: dict[tuple[str, Path], int] = field(default_factory=dict)
+    # Set and cleared on every change of health that may reopen a path.
+    _changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
 
     def is_probe(self, seg: str, path: Path) -> bool:
         h = self.health.get((seg, path))
@@ -103,11 +114,35 @@ class PathTable:
             h.probing = True
 
     def next_usable_at(self, seg: str, paths: list[Path]) -> float:
-        return min((self.health[(seg, p)].until if (seg, p) in self.health else 0.0) for p in paths)
+        """When the first of ``paths`` not being probed leaves its back-off
+        (inf when all are probed: only a probe's end can reopen one)."""
+        ends = [h.until if h is not None else 0.0
+                for h in (self.health.get((seg, p)) for p in paths) if h is None or not h.probing]
+        return min(ends, default=math.inf)
+
+    async def wait_usable(self, seg: str, paths: list[Path]) -> None:
+        """Wait until one of ``paths`` may be usable again: a back-off ends or
+        a path's health changes (a probe succeeded, failed or was given up).
+        It may return early; the caller chooses again. Unbounded while a
+        probe runs: the caller's own deadline bounds it."""
+        changed = self._changed
+        delay = self.next_usable_at(seg, paths) - time.monotonic()
+        if delay <= 0:
+            await asyncio.sleep(0)  # usable already: never spin without yielding
+            return
+        try:
+            async with asyncio.timeout(None if delay == math.inf else delay):
+                await changed.wait()
+        except TimeoutError:
+            pass
+
+    def _notify(self) -> None:
+        self._changed.set()  # wakes every waiter at once
+        self._changed.clear()
 
     def success(self, seg: str, path: Path) -> None:
-        if (seg, path) in self.health:
-            del self.health[(seg, path)]
+        if self.health.pop((seg, path), None) is not None:
+            self._notify()
 
     def failure(self, seg: str, path: Path, reason: str) -> None:
         h = self.health.setdefault((seg, path), PathHealth())
@@ -121,12 +156,26 @@ class PathTable:
         h.probing = False
         h.last_reason = reason
         h.until = now + min(self.backoff_s * 2 ** (h.failures - 1), self.backoff_max_s)
+        self._notify()  # waiters on a probe recompute when to look again
 
     def release_probe(self, seg: str, path: Path) -> None:
-        """A probe slice was cancelled before it could tell us anything."""
+        """A probe slice ended without telling us anything (cancelled, or
+        failed for a reason not charged to the path)."""
         h = self.health.get((seg, path))
-        if h is not None:
+        if h is not None and h.probing:
             h.probing = False
+            self._notify()
 
     def add_inflight(self, seg: str, path: Path, n: int) -> None:
-        self.inflight[(seg, path)] = self.inflight.get((seg, path), 0) + n
+        left = self.inflight.get((seg, path), 0) + n
+        if left:
+            self.inflight[(seg, path)] = left
+        else:
+            del self.inflight[(seg, path)]
+
+    def forget_idle(self, now: float) -> None:
+        """Drop the health of paths out of back-off for over ``backoff_max_s``
+        with nothing in flight; used again, such a path starts afresh."""
+        for key in [k for k, h in self.health.items()
+                    if not h.probing and h.until + self.backoff_max_s <= now and k not in self.inflight]:
+            del self.health[key]

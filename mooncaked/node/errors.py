@@ -6,6 +6,7 @@ client never sees a traceback; the traceback goes to the log instead.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from typing import Any
 
@@ -90,14 +91,33 @@ async def read_json(request: web.Request, max_bytes: int) -> Any:
 
 
 def internal_auth_middleware(token: str):
-    """Guard every ``/internal/`` route of a node with the cluster's bearer token
-    (node <-> node and node <-> conductor calls); admin and API routes are not
-    affected.  No token configured: no check (loopback-only deployments)."""
+    """Guard every ``/internal/`` route of a node (node <-> node and node <->
+    conductor calls); admin and API routes are not affected.  With a cluster
+    token, a call must carry it; without one, only loopback peers are served
+    (a single-machine cluster), so a node reachable from the network is never
+    open by default."""
 
     @web.middleware
     async def check(request: web.Request, handler: Any) -> web.StreamResponse:
-        if token and request.path.startswith("/internal/"):
-            require_bearer(request, token, "internal cluster endpoint")
+        if request.path.startswith("/internal/"):
+            if token:
+                require_bearer(request, token, "internal cluster endpoint")
+            elif not _is_loopback(request.remote):
+                raise ApiError(403, "internal cluster endpoint: set node.cluster_token on every "
+                                    "node to accept calls from other hosts (without it only "
+                                    "loopback peers are served)")
         return await handler(request)
 
     return check
+
+
+def _is_loopback(remote: str | None) -> bool:
+    if not remote:
+        return False  # a Unix socket or an unknown peer: not provably local
+    try:
+        address = ipaddress.ip_address(remote.split("%")[0])
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # ::ffff:127.0.0.1 on a dual-stack socket
+    return address.is_loopback

@@ -28,7 +28,7 @@ class NodeSection:
     conductor_url: str = "http://127.0.0.1:8000"
     # Bearer token for admin endpoints that change state; "" disables them.
     admin_token: str = ""
-    # Shared secret for node <-> conductor internal calls; "" = trust loopback.
+    # Shared secret for every /internal/ call; "" = only loopback peers are served.
     cluster_token: str = ""
     heartbeat_interval_s: float = 1.0
     # A node missing heartbeats for this long is marked dead by the conductor.

@@ -42,6 +42,10 @@ def node(
         None, "--conductor", help="Conductor URL for prefill/decode nodes [node.conductor_url]."),
     model: Optional[str] = typer.Option(None, "--model", help="dummy, a named dummy config or a checkpoint dir [model.model]."),
     node_id: Optional[str] = typer.Option(None, "--node-id", help="Name to register under [node.node_id]."),
+    served_model_name: Optional[str] = typer.Option(
+        None, "--served-model-name",
+        help="Model id the OpenAI API answers to, as vLLM spells it (default: --model) "
+             "[conductor.served_model_name]."),
     overrides: list[str] = typer.Option(
         [], "--set", help="Override any config key: --set store.block_size=128 (repeatable)."),
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
@@ -65,7 +69,8 @@ def node(
     try:
         cfg = load_config(config_file=config, overrides=overrides, flags={
             "node.role": role, "node.host": host, "node.port": port,
-            "node.conductor_url": conductor, "node.node_id": node_id, "model.model": model})
+            "node.conductor_url": conductor, "node.node_id": node_id, "model.model": model,
+            "conductor.served_model_name": served_model_name})
     except ConfigError as exc:
         raise fail(str(exc)) from None
     setup_logging(cfg.node.log_level, cfg.node.role)

@@ -355,6 +355,9 @@ def register(app: typer.Typer) -> None:
         port: int = typer.Option(0, "--port", help="Conductor API port (0 = any free port)."),
         log_dir: Optional[Path] = typer.Option(None, "--log-dir", help="Where node logs go (default: a temp dir)."),
         demo: bool = typer.Option(False, "--demo", help="Send demo requests sharing prefixes, print TTFT with and without reuse, then exit."),
+        served_model_name: Optional[str] = typer.Option(
+            None, "--served-model-name",
+            help="Model id the OpenAI API answers to, as vLLM spells it (default: --model)."),
         restart: bool = typer.Option(
             True, "--restart/--no-restart",
             help=_restart_help(DEFAULT_RESTART_POLICY)),
@@ -363,8 +366,10 @@ def register(app: typer.Typer) -> None:
         restarting a node that dies."""
         cluster = LocalCluster(prefill=prefill if not colocated else colocated,
                                decode=decode if not colocated else 0, model=model, config=config,
-                               overrides=list(overrides), port=port, log_dir=log_dir,
-                               cpp_group=cpp_group,
+                               overrides=list(overrides) + (
+                                   [f"conductor.served_model_name={served_model_name}"]
+                                   if served_model_name else []),
+                               port=port, log_dir=log_dir, cpp_group=cpp_group,
                                restart_policy=DEFAULT_RESTART_POLICY if restart else None)
         if colocated:
             cluster.role_of_workers = ("colocated", "decode")

@@ -203,3 +203,14 @@ def test_systemd_unit_verifies(tmp_path):
     problems = [l for l in result.stderr.splitlines() if "mooncaked@" in l]
     assert result.returncode == 0 and not problems, result.stderr
     assert "Type=notify" in text and "Restart=on-failure" in text
+
+
+@pytest.mark.slow  # node processes
+def test_served_model_name_flag_names_the_model_the_api_answers_to(cluster):
+    """vLLM's spelling, as benchmark clients pass it (aiperf, vllm bench)."""
+    conductor = cluster("conductor", *SMALL, "--served-model-name", "my-llm")
+    conductor.wait_ready(60)
+    status, models = get_json(conductor.url + "/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == ["my-llm"]
+    assert get_json(conductor.url + "/v1/models/my-llm")[0] == 200
+    assert get_json(conductor.url + "/v1/models/tiny")[0] == 404

@@ -266,3 +266,26 @@ def test_up_help_explains_the_restart_option():
     text = " ".join(re.sub(r"-\n\s+", "-", result.output).split())  # unwrapped
     assert "--restart / --no-restart" in text
     assert "Restart=on-failure" in text and "5 times within 60 s" in text
+
+
+def test_up_passes_served_model_name_to_the_conductor(tmp_path, monkeypatch):
+    import typer
+    from typer.testing import CliRunner
+
+    from mooncaked import launcher
+
+    seen = {}
+
+    class Recorder(launcher.LocalCluster):
+        def start(self, timeout_s: float = 120.0) -> None:
+            seen["overrides"] = list(self.overrides)
+            raise RuntimeError("stop here")
+
+    app = typer.Typer(rich_markup_mode=None)
+    app.callback()(lambda: None)
+    monkeypatch.setattr(launcher, "LocalCluster", Recorder)
+    launcher.register(app)
+    result = CliRunner().invoke(app, ["up", "--served-model-name", "my-llm", "--set",
+                                      "store.block_size=32", "--log-dir", str(tmp_path)])
+    assert result.exit_code == 1
+    assert seen["overrides"] == ["store.block_size=32", "conductor.served_model_name=my-llm"]

@@ -67,6 +67,14 @@ async def _body(request: web.Request) -> dict:
     return await request.json()
 
 
+def _recording_cancel(cancels: list[str]):
+    """A cancel route that records the request ids it gets."""
+    async def cancel(request: web.Request) -> web.Response:
+        cancels.append(RequestRef.from_wire(await _body(request)).request_id)
+        return web.json_response(Cancelled(cancelled=True).to_wire())
+    return cancel
+
+
 @dataclass
 class FakePrefill:
     """/internal/prefill answers ``reply`` (or ``status``), optionally after
@@ -95,13 +103,9 @@ class FakePrefill:
                 return error_response(self.status, "prefill failed on purpose")
             return web.json_response(self.reply.to_wire())
 
-        async def cancel(request: web.Request) -> web.Response:
-            self.cancels.append(RequestRef.from_wire(await _body(request)).request_id)
-            return web.json_response(Cancelled(cancelled=True).to_wire())
-
         app = web.Application()
         app.router.add_post(Route.PREFILL, prefill)
-        app.router.add_post(Route.PREFILL_CANCEL, cancel)
+        app.router.add_post(Route.PREFILL_CANCEL, _recording_cancel(self.cancels))
         return app
 
 
@@ -149,15 +153,11 @@ class FakeDecode:
             self.touches.append(RequestRef.from_wire(await _body(request)).request_id)
             return web.json_response(Ok().to_wire())
 
-        async def cancel(request: web.Request) -> web.Response:
-            self.cancels.append(RequestRef.from_wire(await _body(request)).request_id)
-            return web.json_response(Cancelled(cancelled=True).to_wire())
-
         app = web.Application()
         app.router.add_post(Route.DECODE_RESERVE, reserve)
         app.router.add_post(Route.DECODE_GENERATE, generate)
         app.router.add_post(Route.DECODE_TOUCH, touch)
-        app.router.add_post(Route.DECODE_CANCEL, cancel)
+        app.router.add_post(Route.DECODE_CANCEL, _recording_cancel(self.cancels))
         return app
 
 

@@ -13,6 +13,7 @@ request, no shard, no transfer.  The shard's own counters and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 
 import pytest
@@ -257,23 +258,30 @@ async def test_the_shard_counts_the_prefix_tokens_actually_reused(open_worker, d
         len(prompt), hit)
 
 
-async def test_a_prefix_fetched_from_a_peer_is_kept_here(open_worker, decode, tiny_weights):
-    """B's first two blocks are READ from a peer that computed A (under a lease
-    it serves over HTTP), published here, and not recomputed."""
-    worker, peer = await open_worker("prefill-A"), await open_worker("prefill-B")
-    await prefill(peer, decode, "req-peer", PROMPT_A)
-    worker.engine.add_segment(peer.engine.segment_descriptor())
+@contextlib.asynccontextmanager
+async def lease_server(peer):
+    """The peer's block-lease routes, served over HTTP: (its URL, the app)."""
     app = web.Application()
     app[WORKER] = peer
     add_lease_routes(app)
     server = TestServer(app, host="127.0.0.1")
     await server.start_server()
     try:
-        job, grant, reply = await prefill(worker, decode, "req-b", PROMPT_B,
-                                          FetchPlan(source_url=str(server.make_url("")), to_block=2))
-        leases = app[LEASES].leases
+        yield str(server.make_url("")), app
     finally:
         await server.close()
+
+
+async def test_a_prefix_fetched_from_a_peer_is_kept_here(open_worker, decode, tiny_weights):
+    """B's first two blocks are READ from a peer that computed A (under a lease
+    it serves over HTTP), published here, and not recomputed."""
+    worker, peer = await open_worker("prefill-A"), await open_worker("prefill-B")
+    await prefill(peer, decode, "req-peer", PROMPT_A)
+    worker.engine.add_segment(peer.engine.segment_descriptor())
+    async with lease_server(peer) as (url, app):
+        job, grant, reply = await prefill(worker, decode, "req-b", PROMPT_B,
+                                          FetchPlan(source_url=url, to_block=2))
+        leases = app[LEASES].leases
     ref = reference(tiny_weights, PROMPT_B)
     assert reply.fetch_failed == ""
     assert (reply.local_hit_tokens, reply.fetched_tokens, reply.computed_tokens) == (0, 32, 13)
@@ -289,16 +297,9 @@ async def test_a_prefix_fetched_from_a_peer_is_kept_here(open_worker, decode, ti
 async def test_a_failed_fetch_is_recomputed(open_worker, decode, tiny_weights):
     """The peer holds none of the prefix: the job says so and computes it all."""
     worker, peer = await open_worker("prefill-A"), await open_worker("prefill-B")
-    app = web.Application()
-    app[WORKER] = peer
-    add_lease_routes(app)
-    server = TestServer(app, host="127.0.0.1")
-    await server.start_server()
-    try:
+    async with lease_server(peer) as (url, _):
         _, grant, reply = await prefill(worker, decode, "req-b", PROMPT_B,
-                                        FetchPlan(source_url=str(server.make_url("")), to_block=2))
-    finally:
-        await server.close()
+                                        FetchPlan(source_url=url, to_block=2))
     assert "no longer holds" in reply.fetch_failed
     assert (reply.fetched_tokens, reply.computed_tokens) == (0, 45)
     ref = reference(tiny_weights, PROMPT_B)

@@ -547,3 +547,20 @@ async def test_a_prefill_node_refusing_connections_is_taken_out_at_once(conducto
     error = await run(c.dispatcher.generate("req-k2", PROMPT, sampling()), [])
     assert error is not None and error.status == 503   # no live prefill node left to try
     assert c.prefill.received == []
+
+
+async def test_heartbeats_carry_the_prefill_requests_the_node_holds(conductor_for):
+    """The prefill node's load report names its queued/running requests
+    (PrefillService.load); the conductor keeps every other booking."""
+    from roles.scheduling.state import ScheduleRequest
+
+    c = await conductor_for()
+    sched, registry = c.cluster.scheduler, c.cluster.registry
+    d = sched.schedule(ScheduleRequest("booked", (1, 2), 2 * BLOCK, BLOCK, 4), time.monotonic())
+    assert d.prefill_node == "prefill-0"
+    registry.heartbeat("prefill-0", {"queued_prefill_s": 0.25, "request_ids": []},
+                       time.monotonic())
+    assert set(sched.prefill["prefill-0"].pending) == {"booked"}   # not delivered yet
+    registry.heartbeat("prefill-0", {"queued_prefill_s": 0.25, "request_ids": ["booked"]},
+                       time.monotonic())
+    assert sched.prefill["prefill-0"].pending == {}

@@ -346,6 +346,7 @@ async def test_short_prompts_queued_together_share_one_pass(open_worker, decode,
         await asyncio.sleep(0.01)
     load = svc.load()
     assert (load["queue_len"], load["queued_tokens"], load["completed"], load["failed"]) == (0, 0, 3, 0)
+    assert load["request_ids"] == []
     assert_nothing_held(worker.shard, cached_blocks=1 + 2 + 2)
 
 
@@ -376,6 +377,7 @@ async def test_a_job_cancelled_while_queued_takes_nothing(open_worker, decode, s
     grant = decode.reserve(len(PROMPT_A) + GREEDY.max_tokens)
     submit = asyncio.ensure_future(svc.submit(spec_for(worker, "req-q", PROMPT_A, grant)))
     await asyncio.sleep(0)             # queued; the queue task has not taken it yet
+    assert svc.load()["request_ids"] == ["req-q"]   # what the heartbeat tells the conductor
     assert svc.cancel("req-q") is True
     with pytest.raises(PrefillCancelled, match="queued"):
         await asyncio.wait_for(submit, 10)

@@ -247,3 +247,41 @@ def test_prediction_errors_stay_bounded_while_totals_cover_every_request():
     assert err["count"] == n
     assert err["mean_s"] == pytest.approx(sum(seen) / n)
     assert err["mean_abs_s"] == pytest.approx(sum(abs(e) for e in seen) / n)
+
+
+def test_the_estimator_is_fitted_on_the_prefix_actually_reused():
+    """The plan said 8 cached blocks; the node reused only 2 (a failed fetch,
+    an eviction): the sample is (N - 2 blocks, 2 blocks, seconds)."""
+    s = make_sched(threshold=100.0)
+    s.on_events("p0", 0, range(100, 108), [])
+    d = s.schedule(req("r", 10), now=0.0)
+    assert d.prefill_node == "p0" and d.prefix_tokens == 8 * BS
+    s.on_prefill_finished("p0", "r", now=3.0, actual_seconds=2.0,
+                          actual_prefix_tokens=2 * BS)
+    assert list(s.prefill_est.samples) == [(8 * BS, 2 * BS, 2.0)]
+    # Without the figure (the simulator's exact runs) the plan is the sample.
+    d = s.schedule(req("q", 10), now=4.0)
+    s.on_prefill_finished(d.prefill_node, "q", now=5.0, actual_seconds=0.5)
+    assert s.prefill_est.samples[-1] == (10 * BS - d.prefix_tokens, d.prefix_tokens, 0.5)
+
+
+def test_bookings_stay_counted_until_the_node_reports_holding_them():
+    """A request booked at t=0 may reach the node only after its decode
+    reservation: a report at t=1 that does not list it must not drop it."""
+    s = make_sched(policy="load_balance", n_prefill=1)
+    a = s.schedule(req("a", 4), now=0.0)          # 1.024 s of work each
+    s.schedule(req("b", 4), now=0.0)
+    assert a.prefill_node == "p0" and s.prefill["p0"].queue_time(0.0) == pytest.approx(2.048)
+    # The node holds only "a" (0.9 s of work left by its own figure).
+    s.on_node_report("p0", NodeReport(at=1.0, queued_prefill_s=0.9,
+                                      prefill_requests=frozenset({"a"})), 1.0)
+    assert set(s.prefill["p0"].pending) == {"b"}
+    assert s.prefill["p0"].queue_time(1.0) == pytest.approx(0.9 + 1.024)
+    # Once it reports "b" too, the node's figure is the whole queue.
+    s.on_node_report("p0", NodeReport(at=2.0, queued_prefill_s=1.5,
+                                      prefill_requests=frozenset({"a", "b"})), 2.0)
+    assert s.prefill["p0"].pending == {} and s.prefill["p0"].queue_time(2.0) == pytest.approx(1.5)
+    # The old rule (no ids): anything booked before the report counts as in it.
+    s.schedule(req("c", 4), now=2.5)
+    s.on_node_report("p0", NodeReport(at=3.0, queued_prefill_s=1.0), 3.0)
+    assert s.prefill["p0"].pending == {}

@@ -114,7 +114,8 @@ class ClusterView:
             sched.on_node_report(node, NodeReport(
                 at=time.monotonic(), queued_prefill_s=load.get("queued_prefill_s"),
                 batch_size=load.get("batch_size"), context_tokens=load.get("context_tokens"),
-                free_pages=None, recent_tbt_s=load.get("recent_tbt_s") or None), time.monotonic())
+                free_pages=None, recent_tbt_s=load.get("recent_tbt_s") or None,
+                prefill_requests=_request_ids(load.get("request_ids"))), time.monotonic())
 
     def _join_group(self, record: NodeRecord) -> None:
         cap = record.capacity
@@ -212,3 +213,10 @@ def add_cache_routes(app: web.Application) -> None:
 
     app.router.add_post(Route.CACHE_SNAPSHOT, snapshot)
     app.router.add_post(Route.CACHE_EVENTS, events)
+
+
+def _request_ids(value: object) -> frozenset[str] | None:
+    """A prefill node's reported request ids (heartbeat load), if well formed."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        return None
+    return frozenset(value)

@@ -336,7 +336,7 @@ class Dispatcher:
         trace.cpp = result.cpp.to_wire() if result.cpp is not None else None
         sched = self.cluster.scheduler
         sched.on_prefill_finished(decision.prefill_node, trace.request_id, time.monotonic(),
-                                  trace.prefill_compute_s)
+                                  trace.prefill_compute_s, actual_prefix_tokens=trace.cached_tokens)
         if source is not None and trace.fetched_tokens and trace.prefix_load_s > 0:
             nbytes = trace.fetched_tokens * sched.config.kv_bytes_per_token
             sched.on_transfer_finished(source.node_id, nbytes, trace.prefix_load_s)

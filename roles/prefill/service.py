@@ -232,4 +232,7 @@ class PrefillService:
                 "queued_tokens": self.queued_tokens,
                 "queued_prefill_s": self.queued_tokens / self.tokens_per_s,
                 "prefill_tokens_per_s": round(self.tokens_per_s, 1),
+                # What queued_prefill_s holds, so the conductor knows which of
+                # its bookings this figure covers.
+                "request_ids": [item.job.spec.request_id for item in (*self.running, *self.queue)],
                 "completed": self.completed, "failed": self.failed}

@@ -196,7 +196,8 @@ class Scheduler:
             p.started_at = now
 
     def on_prefill_finished(self, node: str, request_id: str, now: float,
-                            actual_seconds: float) -> None:
+                            actual_seconds: float,
+                            actual_prefix_tokens: int | None = None) -> None:
         """Prefill done (first token out): refit and record the TTFT error.
 
         `actual_seconds <= 0` means "no measurement" (cancelled or failed
@@ -208,8 +209,11 @@ class Scheduler:
         inf = self.inflight.get(request_id)
         if inf is None or actual_seconds <= 0:
             return
-        self.estimator_for(node).observe(inf.req.prompt_tokens, inf.decision.prefix_tokens,
-                                         actual_seconds)
+        # Fit on what happened: the prefix the node really reused (a failed
+        # fetch or an eviction makes it shorter than planned), not the plan.
+        prefix = inf.decision.prefix_tokens if actual_prefix_tokens is None \
+            else actual_prefix_tokens
+        self.estimator_for(node).observe(inf.req.prompt_tokens, prefix, actual_seconds)
         actual_ttft = now - inf.scheduled_at
         error = inf.decision.predicted_ttft_s - actual_ttft
         self.ttft_errors.append(error)
@@ -235,8 +239,15 @@ class Scheduler:
         if node in self.prefill and report.queued_prefill_s is not None:
             s = self.prefill[node]
             s.reported_queue_s, s.reported_at = report.queued_prefill_s, report.at
-            # Work sent before the report is in the node's own figure (or done).
-            s.pending = {r: p for r, p in s.pending.items() if p.sent_at > report.at}
+            if report.prefill_requests is not None:
+                # The node says which requests its figure holds: every other
+                # booking (not delivered yet, e.g. still waiting for its decode
+                # reservation) stays counted until a report covers it.
+                s.pending = {r: p for r, p in s.pending.items()
+                             if r not in report.prefill_requests}
+            else:
+                # No ids: work booked before the report counts as in the figure.
+                s.pending = {r: p for r, p in s.pending.items() if p.sent_at > report.at}
         d = self.decode.get(node)
         if d is not None:
             if report.batch_size is not None:

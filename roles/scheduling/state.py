@@ -134,6 +134,9 @@ class NodeReport(NamedTuple):
     context_tokens: int | None = None
     free_pages: int | None = None
     recent_tbt_s: float | None = None
+    # Prefill node: the requests its `queued_prefill_s` holds (queued or
+    # running); None when the node does not say.
+    prefill_requests: frozenset[str] | None = None
 
 
 class TransferPlan(NamedTuple):

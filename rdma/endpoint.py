@@ -28,6 +28,12 @@ class EndpointError(ConnectionError):
     """A connection failed; every slice posted on it fails with this."""
 
 
+class WriteRefused(Exception):
+    """The target answered that its write guard refused this WRITE (no grant for
+    its capability and range).  Only that slice fails; the connection is fine,
+    and re-posting would be refused again, so the request fails at once."""
+
+
 class Posted:
     """One slice in flight: its future and its size."""
 
@@ -69,8 +75,9 @@ class Endpoint:
         await asyncio.wait_for(asyncio.to_thread(self._connect_blocking), self.connect_timeout_s + 1)
 
     def post(self, op: Any, rid: int, offset: int, view: memoryview, local_region: int = 0,
-             local_offset: int = 0) -> asyncio.Future:
-        """Queue one slice; the future resolves when the target acknowledged it."""
+             local_offset: int = 0, capability: int = 0) -> asyncio.Future:
+        """Queue one slice (a WRITE carrying ``capability``, 0 = none, where the
+        transport can); the future resolves when the target acknowledged it."""
         raise NotImplementedError
 
     def _teardown(self) -> None:
@@ -95,13 +102,18 @@ class Endpoint:
         self.pending_bytes += post.length
         return self._seq
 
-    def _complete(self, seq: int) -> None:
+    def _complete(self, seq: int, error: Exception | None = None) -> None:
+        """The target answered slice ``seq``: done, or failed with ``error``
+        (a refusal; the endpoint itself stays up)."""
         post = self.pending.pop(seq, None)
         if post is None:
             return  # aborted meanwhile: the slice already failed
         self.pending_bytes -= post.length
         if not post.fut.done():
-            post.fut.set_result(None)
+            if error is None:
+                post.fut.set_result(None)
+            else:
+                post.fut.set_exception(error)
         if self.retired and not self.pending:
             self.close()
 

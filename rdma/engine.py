@@ -29,7 +29,7 @@ from .execution import RequestRunner
 from .local_segment import LocalSegment
 from .slices import PathTable
 from .topology import Topology
-from .types import BatchId, Region, TransferRequest, TransferStatus
+from .types import BatchId, Region, TransferRequest, TransferStatus, WriteGuard
 
 
 class TransferEngine:
@@ -68,10 +68,25 @@ class TransferEngine:
         await self.close()
 
     # -- memory and segments --------------------------------------------
-    def register_local_memory(self, buffer, location: str = "cpu:0") -> Region:
+    def register_local_memory(self, buffer, location: str = "cpu:0",
+                              write_guard: WriteGuard | None = None) -> Region:
         """Expose ``buffer`` to peers as region ``Region.id`` of this segment.
-        The caller keeps the buffer alive and must not resize it."""
-        return self._local.register(buffer, location)
+        The caller keeps the buffer alive and must not resize it.  With a
+        ``write_guard`` a peer's WRITE lands only if the guard admits its
+        capability and range (tcp; see types.WriteGuard); READs are never guarded."""
+        return self._local.register(buffer, location, write_guard)
+
+    def set_write_guard(self, region_id: int, guard: WriteGuard | None) -> None:
+        """Install (None: remove) the write guard of a registered region; it
+        applies to every WRITE frame from the next one on.  KeyError if unknown."""
+        self._local.set_write_guard(region_id, guard)
+
+    def write_local(self, region_id: int, offset: int, data, capability: int = 0) -> bool:
+        """Copy ``data`` into our own region at ``offset`` (a transfer to our own
+        segment without the network: a colocated node's KV "stream"), through
+        the region's write guard like a peer's WRITE; False, counted in
+        ``stats()["refused_writes"]``, when the guard refuses."""
+        return self._local.write_local(region_id, offset, data, capability)
 
     def unregister_local_memory(self, region_id: int) -> None:
         self._local.unregister(region_id)
@@ -168,5 +183,6 @@ class TransferEngine:
             "retries": self.retries,
             "path_failures": self.path_failures,
             "refused_connections": self._local.refused,
+            "refused_writes": self._local.refused_writes,
             "batches": len(self._batches),
         }

@@ -11,7 +11,7 @@ from .config import TransferConfig
 from .connections import Connections
 from .descriptors import SegmentDescriptor
 from .directory import SegmentDirectory
-from .endpoint import Endpoint, EndpointError
+from .endpoint import Endpoint, EndpointError, WriteRefused
 from .local_segment import LocalSegment
 from .slices import Path
 from .topology import Topology
@@ -42,9 +42,11 @@ class RequestRunner:
     """Drives requests to an end state and counts what moved where.
 
     A request is COMPLETED when all its slices are; FAILED when its target
-    cannot be resolved or checked, or when a slice runs out of retries
-    (``max_retries`` re-posts after a failed post, each on another path when
-    one is usable); TIMEOUT when ``request_timeout_s`` passes first. Waiting
+    cannot be resolved or checked, when the target's write guard refuses a
+    slice (at once: a refusal is an answer, not a failure to retry), or when
+    a slice runs out of retries (``max_retries`` re-posts after a failed
+    post, each on another path when one is usable); TIMEOUT when
+    ``request_timeout_s`` passes first. Waiting
     for a path to reopen spends no attempt: only the deadline bounds it.
     """
 
@@ -134,6 +136,8 @@ class RequestRunner:
                 repost = False
             try:
                 await self._post(st, desc, local, s, path)
+            except WriteRefused as e:
+                raise RequestFailed(str(e)) from None
             except _PathLost as e:
                 last, avoid = str(e), path
                 continue
@@ -170,9 +174,14 @@ class RequestRunner:
                     raise _PathLost(paths.health[(seg, path)].last_reason or "path backing off")
                 ep = await self.connections.endpoint(desc, path)
                 view = local.view[s.local_offset:s.local_offset + s.length]
-                fut = ep.post(req.op, req.target_region, s.remote_offset, view, local.id, s.local_offset)
+                fut = ep.post(req.op, req.target_region, s.remote_offset, view, local.id, s.local_offset,
+                              req.capability)
                 await fut
             answered = True
+        except WriteRefused:
+            answered = True
+            paths.success(seg, path)  # the path carried the frame and its answer: it works
+            raise
         except asyncio.CancelledError:
             if fut is not None and not fut.done() and ep is not None:
                 # Never let bytes of a finished (timed-out) request land later.

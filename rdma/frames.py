@@ -6,22 +6,34 @@ Every operation is one fixed-size header, optionally followed by payload:
     0      4    magic  b"MCTE"
     4      1    version
     5      1    op     (OP_* below)
-    6      2    flags  (reserved, must be 0)
-    8      4    status (0 in requests; responses: 0 = ok)
+    6      2    flags  (FLAG_CAPABILITY; every other bit reserved, must be 0)
+    8      4    status (0 in requests; responses: STATUS_OK or STATUS_REFUSED)
     12     4    region id
     16     8    offset into the region
     24     8    length of the payload
     32     8    sequence number (per connection, starts at 1, +1 per request)
-    40     16   tag    truncated HMAC-SHA256(session key, bytes 0..40)
+    40     16   tag    truncated HMAC-SHA256(session key, bytes 0..40 + extension)
+    56     8    capability (only when flags has FLAG_CAPABILITY; never 0)
 
-Requests: OP_WRITE header + ``length`` payload bytes -> OP_WRITE_ACK header;
-OP_READ header -> OP_READ_RESP header + ``length`` payload bytes;
-OP_QP_CONNECT header + JSON (rdma only) -> OP_QP_REPLY header + JSON, after
-which the connection stays open as the QP's liveness channel.
-A listener that meets anything it cannot accept (bad magic, version, op,
-tag, sequence, unknown region, out-of-bounds range) closes the connection
-before touching memory; there is no error frame, so a malicious peer learns
-nothing beyond "closed".
+The capability extension (version 2) carries a WRITE's per-reservation
+capability: a target whose region has a write guard takes the WRITE only if
+the guard grants that capability every page the WRITE touches.  The tag
+covers the extension, and the flag that announces it, so a capability can
+be neither changed nor stripped in transit.
+
+Requests: OP_WRITE header + ``length`` payload bytes -> OP_WRITE_ACK header
+(status STATUS_OK, or STATUS_REFUSED when the region's write guard refused:
+the payload was read and dropped, no byte of the region touched, and the
+connection stays usable); OP_READ header -> OP_READ_RESP header + ``length``
+payload bytes; OP_QP_CONNECT header + JSON (rdma only) -> OP_QP_REPLY header
++ JSON, after which the connection stays open as the QP's liveness channel.
+A listener that meets anything else it cannot accept (bad magic, version,
+op, flags, tag, sequence, unknown region, out-of-bounds range) closes the
+connection before touching memory; there is no error frame, so a malicious
+peer learns nothing beyond "closed".  A refused WRITE is answered instead,
+because it is routine (the late WRITEs of a cancelled prefill) and the
+sender must stop at once rather than retry it as a network failure; the
+answer tells only what the sender could already know: it holds no grant.
 
 Before the first frame the two sides shake hands (see ``client_handshake``):
 nonces, mutual proof of the shared token, and a per-connection session key,
@@ -36,10 +48,11 @@ import hmac
 import os
 import socket
 import struct
+from typing import NamedTuple
 
 MAGIC = b"MCTE"
 HELLO_MAGIC = b"MCTH"
-VERSION = 1
+VERSION = 2  # 2: the capability extension; a version-1 peer fails the handshake
 
 OP_READ = 1
 OP_WRITE = 2
@@ -50,11 +63,19 @@ OP_QP_REPLY = 6
 REQUEST_OPS = (OP_READ, OP_WRITE)
 MAX_QP_INFO = 4096
 
+STATUS_OK = 0
+STATUS_REFUSED = 1  # OP_WRITE_ACK: the region's write guard refused the WRITE
+
+FLAG_CAPABILITY = 1  # the 8-byte capability extension follows the header
+
 HEADER = struct.Struct("<4sBBHIIQQQ16s")
 HEADER_SIZE = HEADER.size  # 56
-_SIGNED = 40               # bytes covered by the tag
+_SIGNED = 40               # header bytes covered by the tag (the extension is too)
 TAG_SIZE = 16
 _NO_TAG = bytes(TAG_SIZE)
+CAPABILITY = struct.Struct("<Q")
+CAPABILITY_SIZE = CAPABILITY.size  # 8
+_FLAGS = struct.Struct("<H")       # at offset 6
 
 HELLO = struct.Struct("<4sB3x16s")           # magic, version, client nonce
 WELCOME = struct.Struct("<4sBxH16s32s")      # magic, version, name len, server nonce, proof
@@ -70,31 +91,76 @@ def _mac(key: bytes, msg: bytes) -> bytes:
     return hmac.digest(key, msg, hashlib.sha256)
 
 
+class Frame(NamedTuple):
+    """A checked header: what ``unpack_frame`` returns."""
+    op: int
+    status: int
+    region: int
+    offset: int
+    length: int
+    seq: int
+    capability: int  # 0 = none
+
+
 def pack_header(session_key: bytes | None, op: int, region: int, offset: int, length: int,
-                seq: int, status: int = 0) -> bytes:
-    head = HEADER.pack(MAGIC, VERSION, op, 0, status, region, offset, length, seq, _NO_TAG)
+                seq: int, status: int = 0, capability: int = 0) -> bytes:
+    """The header (56 bytes), plus the capability extension (8 more) when ``capability``."""
+    flags = FLAG_CAPABILITY if capability else 0
+    ext = CAPABILITY.pack(capability) if capability else b""
+    head = HEADER.pack(MAGIC, VERSION, op, flags, status, region, offset, length, seq, _NO_TAG)
     if session_key is None:
-        return head
-    return head[:_SIGNED] + _mac(session_key, head[:_SIGNED])[:TAG_SIZE]
+        return head + ext
+    return head[:_SIGNED] + _mac(session_key, head[:_SIGNED] + ext)[:TAG_SIZE] + ext
 
 
-def unpack_header(session_key: bytes | None, data: bytes) -> tuple[int, int, int, int, int, int]:
-    """Check magic/version/flags/tag; return (op, status, region, offset, length, seq)."""
-    if len(data) != HEADER_SIZE:
+def has_extension(head: bytes | bytearray | memoryview) -> bool:
+    """Whether the 56-byte ``head`` announces a capability extension (read it
+    next; ``unpack_frame`` checks everything, the flag included, by the tag)."""
+    return bool(_FLAGS.unpack_from(head, 6)[0] & FLAG_CAPABILITY)
+
+
+def unpack_frame(session_key: bytes | None, data: bytes) -> Frame:
+    """Check magic/version/flags/tag of a header (56 bytes, or 64 with the
+    capability extension); return its fields."""
+    if len(data) < HEADER_SIZE:
         raise FrameError(f"short header ({len(data)} bytes)")
-    magic, version, op, flags, status, region, offset, length, seq, tag = HEADER.unpack(data)
+    magic, version, op, flags, status, region, offset, length, seq, tag = HEADER.unpack_from(data)
     if magic != MAGIC:
         raise FrameError("bad magic")
     if version != VERSION:
         raise FrameError(f"unsupported version {version}")
-    if flags != 0:
+    if flags & ~FLAG_CAPABILITY:
         raise FrameError("reserved flags set")
+    want = HEADER_SIZE + (CAPABILITY_SIZE if flags & FLAG_CAPABILITY else 0)
+    if len(data) != want:
+        raise FrameError(f"header of {len(data)} bytes, its flags say {want}")
+    ext = data[HEADER_SIZE:]
     if session_key is not None:
-        if not hmac.compare_digest(tag, _mac(session_key, data[:_SIGNED])[:TAG_SIZE]):
+        if not hmac.compare_digest(tag, _mac(session_key, data[:_SIGNED] + ext)[:TAG_SIZE]):
             raise FrameError("bad frame tag")
     elif tag != _NO_TAG:
         raise FrameError("unexpected frame tag")
-    return op, status, region, offset, length, seq
+    capability = CAPABILITY.unpack(ext)[0] if ext else 0
+    if ext and not capability:
+        raise FrameError("capability extension holding capability 0")
+    return Frame(op, status, region, offset, length, seq, capability)
+
+
+def unpack_header(session_key: bytes | None, data: bytes) -> tuple[int, int, int, int, int, int]:
+    """Check magic/version/flags/tag; return (op, status, region, offset, length, seq)."""
+    return tuple(unpack_frame(session_key, data)[:6])  # type: ignore[return-value]
+
+
+def recv_frame(sock: socket.socket, session_key: bytes | None, buf: bytearray) -> Frame:
+    """Read and check one header, with its extension if it has one; ``buf`` is
+    the caller's scratch of at least HEADER_SIZE + CAPABILITY_SIZE bytes."""
+    view = memoryview(buf)
+    recv_exact(sock, view[:HEADER_SIZE])
+    n = HEADER_SIZE
+    if has_extension(view):
+        recv_exact(sock, view[HEADER_SIZE:HEADER_SIZE + CAPABILITY_SIZE])
+        n += CAPABILITY_SIZE
+    return unpack_frame(session_key, bytes(view[:n]))
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 from . import verbs
@@ -10,7 +11,7 @@ from .config import TransferConfig
 from .descriptors import NicDescriptor, RdmaKey, RegionDescriptor, SegmentDescriptor
 from .tcp import TcpListener
 from .topology import Topology, discover_matrix
-from .types import Region
+from .types import Region, WriteGuard
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +30,8 @@ class LocalSegment:
 
     Invariant: ``regions`` is one dict for the segment's whole life; the
     listeners hold it and read it from their threads without locks (dict
-    lookups are atomic and a Region is never mutated), so it is updated in
-    place, never replaced. With rdma every region is registered on every
+    lookups are atomic and a Region is never mutated: a new write guard is a
+    new Region under the same id), so it is updated in place, never replaced. With rdma every region is registered on every
     device as soon as both exist, whichever came first.
     """
 
@@ -44,6 +45,7 @@ class LocalSegment:
         self.topology = Topology({})
         self.verbs: verbs.VerbsTransport | None = None
         self._rdma_keys: dict[int, dict[str, RdmaKey]] = {}  # region id -> device -> its MR
+        self.refused_local_writes = 0  # write_local calls a write guard refused
 
     @property
     def nic_names(self) -> list[str]:
@@ -92,10 +94,15 @@ class LocalSegment:
         """Connections our listeners closed for a bad frame or failed auth."""
         return sum(lst.refused for lst in self.listeners)
 
+    @property
+    def refused_writes(self) -> int:
+        """WRITEs a region's write guard refused (peers' and local copies)."""
+        return sum(lst.refused_writes for lst in self.listeners) + self.refused_local_writes
+
     # -- memory ---------------------------------------------------------------
-    def register(self, buffer, location: str) -> Region:
+    def register(self, buffer, location: str, write_guard: WriteGuard | None = None) -> Region:
         view = _as_view(buffer)
-        region = Region(self._next_region, len(view), location, view)
+        region = Region(self._next_region, len(view), location, view, write_guard)
         self._next_region += 1
         if self.verbs is not None:
             self._register_rdma(region)
@@ -106,6 +113,32 @@ class LocalSegment:
         assert self.verbs is not None
         keys = self.verbs.register(region)
         self._rdma_keys[region.id] = {dev: RdmaKey(k["addr"], k["rkey"]) for dev, k in keys.items()}
+
+    def set_write_guard(self, region_id: int, guard: WriteGuard | None) -> None:
+        region = self.regions.get(region_id)
+        if region is None:
+            raise KeyError(f"no region {region_id}")
+        self.regions[region_id] = dataclasses.replace(region, write_guard=guard)
+
+    def write_local(self, region_id: int, offset: int, data, capability: int) -> bool:
+        """Copy ``data`` into our region as a peer's WRITE would land: through
+        its write guard.  False (and counted) when the guard refuses."""
+        region = self.regions.get(region_id)
+        if region is None:
+            raise KeyError(f"no region {region_id}")
+        n = len(data)
+        if offset > region.length or n > region.length - offset:
+            raise ValueError(f"range [{offset}, +{n}) outside region {region_id} of {region.length} bytes")
+        guard = region.write_guard
+        if guard is not None and not guard.admit(capability, offset, n):
+            self.refused_local_writes += 1
+            return False
+        try:
+            region.view[offset:offset + n] = data
+        finally:
+            if guard is not None:
+                guard.landed(capability)
+        return True
 
     def unregister(self, region_id: int) -> None:
         if self.regions.pop(region_id, None) is None:

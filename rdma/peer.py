@@ -10,6 +10,8 @@ one per line, with one JSON line each:
     fill SEED              fill the region with deterministic bytes
     sha OFFSET LENGTH      sha256 of a range of the region
     stats                  engine stats
+    guard PAGE_BYTES       guard the region with PageGrants over pages of
+                           PAGE_BYTES, grant every page; -> {"capability": c}
     quit                   exit
 
 It exits when stdin closes, so a killed parent leaves no orphan.
@@ -25,6 +27,7 @@ import sys
 
 from .config import TransferConfig
 from .engine import TransferEngine
+from .guard import PageGrants
 
 
 def pattern(seed: int, n: int) -> bytes:
@@ -74,6 +77,10 @@ async def main(argv: list[str] | None = None) -> None:
             reply({"sha": hashlib.sha256(region.view[off:off + n]).hexdigest()})
         elif cmd == "stats":
             reply(eng.stats())
+        elif cmd == "guard":
+            grants = PageGrants(int(line[1]))
+            eng.set_write_guard(region.id, grants)
+            reply({"capability": grants.grant(range(-(-a.size // grants.page_bytes)))})
         else:
             reply({"error": f"unknown command {cmd}"})
     await eng.close()

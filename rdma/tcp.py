@@ -11,7 +11,11 @@ The asyncio side only posts slices and is told of completions with
 Listener side (the "target"): one accept thread per NIC address and one
 thread per accepted connection running ``_serve_conn``. No user code runs
 there; the target process only validates headers and moves bytes, which is
-as close to one-sided as TCP allows.
+as close to one-sided as TCP allows.  The one exception is a region's write
+guard (types.WriteGuard), asked before a WRITE's payload is received into
+the region: a refused WRITE's payload is read and dropped, and the sender
+gets an OP_WRITE_ACK with STATUS_REFUSED (its endpoint fails just that
+slice with ``WriteRefused``; the connection stays in use).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import time
 from collections.abc import Callable
 
 from . import frames
-from .endpoint import Endpoint, EndpointError, Posted
+from .endpoint import Endpoint, EndpointError, Posted, WriteRefused
 from .frames import FrameError
 from .types import Region, TransferOp
 
@@ -67,6 +71,14 @@ def _sendmsg_all(sock: socket.socket, parts: list) -> None:
         sent = 0
 
 
+def _discard(sock: socket.socket, n: int, scratch: memoryview) -> None:
+    """Read and drop ``n`` payload bytes (a refused WRITE's), keeping the stream in step."""
+    while n:
+        k = min(n, len(scratch))
+        frames.recv_exact(sock, scratch[:k])
+        n -= k
+
+
 # -- listener (target side) --------------------------------------------------
 
 class TcpListener:
@@ -93,6 +105,7 @@ class TcpListener:
         self._lock = threading.Lock()
         self._closed = False
         self.refused = 0  # connections closed for a bad frame or failed auth
+        self.refused_writes = 0  # WRITEs a region's write guard refused (answered, not closed)
         self._thread = threading.Thread(target=self._accept_loop, name=f"tcp-accept-{host}:{self.port}",
                                         daemon=True)
 
@@ -140,13 +153,13 @@ class TcpListener:
             key = frames.server_handshake(conn, self.token, self.segment_name)
             conn.settimeout(None)
             expect_seq = 1
-            hdr = bytearray(frames.HEADER_SIZE)
-            hview = memoryview(hdr)
+            hdr = bytearray(frames.HEADER_SIZE + frames.CAPABILITY_SIZE)
+            scratch: memoryview | None = None  # for dropping refused payloads
             while True:
-                frames.recv_exact(conn, hview)
-                op, _status, rid, off, length, seq = frames.unpack_header(key, bytes(hdr))
+                op, _status, rid, off, length, seq, cap = frames.recv_frame(conn, key, hdr)
                 # Invariant: nothing below touches region memory unless every
-                # check passed; any failure closes the connection.
+                # check passed; any failure closes the connection, except a
+                # WRITE its region's guard refuses, which is answered.
                 if op == frames.OP_QP_CONNECT and self.qp_acceptor is not None and seq == expect_seq:
                     expect_seq += 1
                     if length > frames.MAX_QP_INFO:
@@ -173,7 +186,22 @@ class TcpListener:
                     raise FrameError(f"range [{off}, +{length}) outside region {rid} of {region.length} bytes")
                 view = region.view[off:off + length]
                 if op == frames.OP_WRITE:
-                    frames.recv_exact(conn, view)
+                    guard = region.write_guard
+                    if guard is not None and not guard.admit(cap, off, length):
+                        self.refused_writes += 1
+                        log.debug("refused WRITE [%d, +%d) of region %d from %s: not granted",
+                                  off, length, rid, addr[0])
+                        if scratch is None:
+                            scratch = memoryview(bytearray(1 << 16))
+                        _discard(conn, length, scratch)
+                        conn.sendall(frames.pack_header(key, frames.OP_WRITE_ACK, rid, off, length, seq,
+                                                        status=frames.STATUS_REFUSED))
+                        continue
+                    try:
+                        frames.recv_exact(conn, view)
+                    finally:
+                        if guard is not None:
+                            guard.landed(cap)
                     conn.sendall(frames.pack_header(key, frames.OP_WRITE_ACK, rid, off, length, seq))
                 else:
                     _sendmsg_all(conn, [frames.pack_header(key, frames.OP_READ_RESP, rid, off, length, seq), view])
@@ -201,11 +229,13 @@ class TcpListener:
 # -- endpoint (initiator side) ----------------------------------------------
 
 class _Post(Posted):
-    __slots__ = ("op", "rid", "offset", "view")
+    __slots__ = ("op", "rid", "offset", "view", "capability")
 
-    def __init__(self, op: TransferOp, rid: int, offset: int, view: memoryview, fut: asyncio.Future) -> None:
+    def __init__(self, op: TransferOp, rid: int, offset: int, view: memoryview, fut: asyncio.Future,
+                 capability: int = 0) -> None:
         super().__init__(fut, len(view))
         self.op, self.rid, self.offset, self.view = op, rid, offset, view
+        self.capability = capability
 
 
 class TcpEndpoint(Endpoint):
@@ -256,12 +286,13 @@ class TcpEndpoint(Endpoint):
             threading.Thread(target=fn, daemon=True, name=f"tcp-{name}-{self.remote_host}:{self.remote_port}").start()
 
     def post(self, op: TransferOp, rid: int, offset: int, view: memoryview, local_region: int = 0,
-             local_offset: int = 0) -> asyncio.Future:
-        """Queue one slice; the future resolves when the target acknowledged it."""
+             local_offset: int = 0, capability: int = 0) -> asyncio.Future:
+        """Queue one slice; the future resolves when the target acknowledged it
+        (WriteRefused when its write guard refused it)."""
         fut = self._new_future()
         if fut.done():
             return fut
-        p = _Post(op, rid, offset, view, fut)
+        p = _Post(op, rid, offset, view, fut, capability if op == TransferOp.WRITE else 0)
         self._track(p)
         self._q.put(p)
         return fut
@@ -275,7 +306,7 @@ class TcpEndpoint(Endpoint):
                     return
                 seq += 1
                 hdr = frames.pack_header(self.key, frames.OP_WRITE if p.op == TransferOp.WRITE else frames.OP_READ,
-                                         p.rid, p.offset, len(p.view), seq)
+                                         p.rid, p.offset, len(p.view), seq, capability=p.capability)
                 if p.op == TransferOp.WRITE and len(p.view):
                     _sendmsg_all(self.sock, [hdr, p.view])
                 else:
@@ -293,13 +324,21 @@ class TcpEndpoint(Endpoint):
                 op, status, _rid, _off, length, seq = frames.unpack_header(self.key, bytes(hdr))
                 p = self.pending.get(seq)
                 want = frames.OP_READ_RESP if p is not None and p.op == TransferOp.READ else frames.OP_WRITE_ACK
-                if seq != expect or p is None or op != want or length != len(p.view) or status != 0:
-                    raise FrameError(f"unexpected response op={op} seq={seq} (expected {expect})")
+                refused = op == frames.OP_WRITE_ACK and status == frames.STATUS_REFUSED
+                if (seq != expect or p is None or op != want or length != len(p.view)
+                        or (status != frames.STATUS_OK and not refused)):
+                    raise FrameError(f"unexpected response op={op} status={status} seq={seq} "
+                                     f"(expected {expect})")
                 expect += 1
                 if op == frames.OP_READ_RESP:
                     frames.recv_exact(self.sock, p.view)
                 self.last_progress = time.monotonic()
-                self.loop.call_soon_threadsafe(self._complete, seq)
+                if refused:
+                    self.loop.call_soon_threadsafe(self._complete, seq, WriteRefused(
+                        f"{self.expect_segment} refused the WRITE of [{p.offset}, +{length}) into region "
+                        f"{p.rid}: its capability grants no such range (reservation released or expired?)"))
+                else:
+                    self.loop.call_soon_threadsafe(self._complete, seq)
         except (OSError, ConnectionError, FrameError, AttributeError) as e:
             self._fail_from_thread(f"recv: {e}")
         finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Protocol
 
 # A batch id is an opaque integer handed out by ``allocate_batch``.
 BatchId = int
@@ -53,6 +54,10 @@ class TransferRequest:
     ``target_segment/target_region[target_offset:]``.
 
     ``length == 0`` is legal and completes without touching the network.
+    ``capability`` (a WRITE's, 0 = none) is what a target region with a write
+    guard checks before the bytes land (see ``WriteGuard``); regions without
+    one ignore it.  Only the tcp transport carries it: one-sided rdma WRITEs
+    cannot be checked by the target (docs/transfer.md).
     """
 
     op: TransferOp
@@ -62,6 +67,7 @@ class TransferRequest:
     target_segment: str
     target_offset: int
     target_region: int = 0
+    capability: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.op, TransferOp):
@@ -75,17 +81,41 @@ class TransferRequest:
                 raise ValueError(f"{name} must be a non-negative int, got {v!r}")
         if not isinstance(self.target_segment, str) or not self.target_segment:
             raise ValueError(f"target_segment must be a non-empty str, got {self.target_segment!r}")
+        c = self.capability
+        if not isinstance(c, int) or isinstance(c, bool) or not 0 <= c < 1 << 64:
+            raise ValueError(f"capability must be an int in [0, 2**64), got {c!r}")
+
+
+class WriteGuard(Protocol):
+    """Decides, on the target, whether a WRITE may land in a region.
+
+    Both methods run on transport threads (the tcp listener's), or on the
+    event loop for ``TransferEngine.write_local``; they must be thread-safe
+    and quick.  Every ``admit`` that answers True is followed by exactly one
+    ``landed`` once the payload is in or its connection died, so a guard
+    knows which capabilities still have bytes landing (``rdma/guard.py``).
+    """
+
+    def admit(self, capability: int, offset: int, length: int) -> bool:
+        """May ``capability`` write region bytes [offset, offset + length)?"""
+        ...
+
+    def landed(self, capability: int) -> None:
+        """An admitted WRITE of ``capability`` will touch the region no more."""
+        ...
 
 
 @dataclass
 class Region:
     """A registered local buffer. ``view`` is a flat byte memoryview over it;
-    remote peers address it by ``(segment name, id)``."""
+    remote peers address it by ``(segment name, id)``.  ``write_guard`` None:
+    any authenticated peer may WRITE anywhere in it (READs are never guarded)."""
 
     id: int
     length: int
     location: str
     view: memoryview = field(repr=False)
+    write_guard: WriteGuard | None = field(default=None, repr=False)
 
 
 class TransferError(RuntimeError):

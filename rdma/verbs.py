@@ -313,7 +313,9 @@ class RdmaEndpoint(Endpoint):
         self._fail_from_thread("control channel closed")
 
     def post(self, op: TransferOp, rid: int, offset: int, view: memoryview, local_region: int = 0,
-             local_offset: int = 0) -> asyncio.Future:
+             local_offset: int = 0, capability: int = 0) -> asyncio.Future:
+        # ``capability`` goes nowhere: a one-sided RDMA WRITE lands without the
+        # target's CPU, so no write guard can check it (docs/transfer.md).
         fut = self._new_future()
         if fut.done():
             return fut

@@ -323,11 +323,29 @@ class ReservationRequest(Message):
 @dataclass(frozen=True)
 class ReservationGrant(Message):
     """Decode -> conductor: the reserved pages; forwarded to the prefill node
-    as the target of its KV writes (``PrefillRequest.decode``)."""
+    as the target of its KV writes (``PrefillRequest.decode``).  ``capability``
+    is the reservation's random 64-bit WRITE capability: the decode node's
+    transfer engine lands a WRITE only into pages granted to it (0: none; a
+    grant without one is left out on the wire, as before there were any)."""
     WHERE = "reservation"
     pages: list[int] = wire(integers())
     segment: str = wire(string)
     region: int = wire(integer(), 0)
+    capability: int = wire(integer(), 0)
+
+    def to_wire(self) -> dict[str, Any]:
+        out = super().to_wire()
+        if not self.capability:
+            del out["capability"]
+        return out
+
+    @classmethod
+    def from_wire(cls, obj: Any, where: str | None = None) -> Self:
+        grant = super().from_wire(obj, where)
+        if grant.capability >= 1 << 64:
+            raise MessageError(f"{cls._path(where)}.capability",
+                               f"expected a 64-bit capability, got {_show(grant.capability)}")
+        return grant
 
 
 @dataclass(frozen=True)

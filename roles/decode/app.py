@@ -1,7 +1,8 @@
 """Decode node wiring and its internal endpoints (messages: mooncaked.node.messages).
 
 POST /internal/decode/reserve   ReservationRequest {request_id, total_tokens}
-                                -> ReservationGrant {pages, segment, region}  (503 when out of pages)
+                                -> ReservationGrant {pages, segment, region, capability}
+                                   (503 when out of pages)
 POST /internal/decode/generate  DecodeStart {request_id, prompt_len, first_token, sampling}
                                 -> NDJSON stream: a TokenLine {"token", "logprob",
                                    "finish_reason"} per line, or a last StreamError {"error"}
@@ -27,7 +28,7 @@ from mooncaked.node.messages import (Cancelled, DecodeStart, MessageError, Ok, R
                                      TokenLine)
 from roles.decode.batcher import DecodeBatcher
 from roles.worker import add_membership
-from roles.worker_node import WORKER, add_worker_resources
+from roles.worker_node import WORKER, WorkerNode, add_worker_resources
 
 log = logging.getLogger("mooncaked.decode")
 BATCHER = web.AppKey("batcher", DecodeBatcher)
@@ -42,7 +43,8 @@ async def reserve(request: web.Request) -> web.Response:
         raise ApiError(503, f"decode node out of KV pages: {exc}") from None
     except ValueError as exc:
         raise ApiError(409, str(exc)) from None
-    return reply(ReservationGrant(pages=pages, segment=worker.engine.name, region=worker.region_id))
+    return reply(ReservationGrant(pages=pages, segment=worker.engine.name, region=worker.region_id,
+                                  capability=request.app[BATCHER].capability(req.request_id)))
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -98,6 +100,12 @@ async def cancel(request: web.Request) -> web.Response:
     return reply(Cancelled(cancelled=request.app[BATCHER].release(ref.request_id, "cancelled")))
 
 
+def install_write_guard(worker: WorkerNode, batcher: DecodeBatcher) -> None:
+    """From now on a WRITE lands in the shard's region only into pages the
+    batcher granted to the WRITE's capability (tcp; docs/transfer.md)."""
+    worker.engine.set_write_guard(worker.region_id, batcher.grants)
+
+
 def add_decode_service(app: web.Application, ctx: NodeContext) -> None:
     """Continuous batcher, reservations and the decode endpoints (append after
     ``add_worker_resources``: they run on its open worker)."""
@@ -107,6 +115,7 @@ def add_decode_service(app: web.Application, ctx: NodeContext) -> None:
         worker = app[WORKER]
         eos = load_tokenizer(cfg.model.model).eos_token_ids
         batcher = DecodeBatcher(worker, cfg.decode.max_batch, cfg.decode.reservation_timeout_s, eos)
+        install_write_guard(worker, batcher)
         app[BATCHER] = batcher
         batcher.run()
         ctx.load_providers.append(batcher.load)

@@ -8,11 +8,16 @@ A request's life here:
             the running batch with its first token; each step decodes every
             running sequence at once and pushes one token per sequence;
   finish    EOS/stop token, max_tokens, cancel or client gone: pages freed,
-            but never while the compute thread may still write them: a
-            decode step in flight writes the KV of every sequence in its
-            batch, so a sequence released during a step keeps its pages
-            fenced until that step has ended.  (Late one-sided WRITEs of a
-            cancelled prefill are not fenced here yet: see docs/RELIABILITY.md.)
+            but never while something may still write them: a decode step
+            in flight writes the KV of every sequence in its batch, so a
+            sequence released during a step keeps its pages fenced until
+            that step has ended; and a peer's WRITE may be landing.
+Every reservation gets a random 64-bit WRITE capability (``grants``, the
+write guard the decode role installs on the shard's transfer region): the
+prefill node's KV WRITEs carry it, and the tcp listener lands a WRITE only
+into pages granted to it.  ``release`` revokes it at once, so no WRITE
+posted after that lands (a late WRITE of a cancelled prefill is refused);
+one already being received keeps the pages fenced until its last byte is in.
 A reservation whose ``generate`` never comes is freed after
 ``reservation_timeout_s`` without a ``touch`` (the conductor touches it while
 the request's prefill is queued or running, so only a dead conductor or a
@@ -32,6 +37,7 @@ import torch
 from model.runner import DecodeSeq
 from model.sampling import SamplingParams, sample
 from mooncaked.node.tasks import cancel_and_wait
+from rdma.guard import PageGrants
 from roles.worker_node import WorkerNode
 
 log = logging.getLogger("mooncaked.decode")
@@ -42,6 +48,7 @@ class Sequence:
     request_id: str
     pages: list[int]
     reserved_at: float
+    capability: int = 0     # the WRITE capability of ``pages`` (see grants)
     prompt_len: int = 0
     sampling: SamplingParams | None = None
     generator: torch.Generator | None = None
@@ -57,6 +64,14 @@ class Sequence:
         return self.prompt_len + len(self.tokens) - 1
 
 
+@dataclass(eq=False)
+class _Fence:
+    """Pages of a released sequence that something may still write: freed
+    when ``holds`` (the step in flight, WRITEs still landing) reaches zero."""
+    pages: list[int]
+    holds: int
+
+
 class DecodeBatcher:
     def __init__(self, worker: WorkerNode, max_batch: int, reservation_timeout_s: float,
                  eos_ids: list[int]) -> None:
@@ -67,8 +82,12 @@ class DecodeBatcher:
         self.reservation_timeout_s = reservation_timeout_s
         self.eos_ids = frozenset(eos_ids)
         self.seqs: dict[str, Sequence] = {}
-        # Pages of sequences released during the step in flight: freed when it ends.
-        self._fenced: list[list[int]] = []
+        # WRITE capabilities of the live reservations: the shard region's write guard.
+        self.grants = PageGrants(worker.layout.page_bytes)
+        # Released pages not reusable yet; those of sequences released during
+        # the step in flight are also in _step_fenced, lifted when it ends.
+        self._fenced: list[_Fence] = []
+        self._step_fenced: list[_Fence] = []
         self._stepping: frozenset[str] = frozenset()   # request ids in the step in flight
         self.running: list[Sequence] = []
         self.waiting: deque[Sequence] = deque()
@@ -84,8 +103,12 @@ class DecodeBatcher:
         if request_id in self.seqs:
             raise ValueError(f"request {request_id} already has a reservation")
         pages = self.shard.allocate(-(-total_tokens // self.bs))  # StoreFullError if it cannot
-        self.seqs[request_id] = Sequence(request_id, pages, time.monotonic())
+        self.seqs[request_id] = Sequence(request_id, pages, time.monotonic(), self.grants.grant(pages))
         return pages
+
+    def capability(self, request_id: str) -> int:
+        """The WRITE capability of a live reservation (KeyError if none)."""
+        return self.seqs[request_id].capability
 
     def touch(self, request_id: str) -> bool:
         """The conductor still owns this reservation (its prefill is queued or
@@ -105,10 +128,16 @@ class DecodeBatcher:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
+        # Held by this release until the end of it, then by what may still write.
+        fence = _Fence(seq.pages, holds=1)
+        self._fenced.append(fence)
         if request_id in self._stepping:
-            self._fenced.append(seq.pages)
-        else:
-            self.shard.free(seq.pages)
+            fence.holds += 1
+            self._step_fenced.append(fence)
+        loop = asyncio.get_running_loop()
+        if not self.grants.revoke(seq.capability, lambda: _call_soon(loop, self._lift, fence)):
+            fence.holds += 1  # lifted on the loop, after this, once those WRITEs are in
+        self._lift(fence)
         if seq.out is not None:
             seq.out.put_nowait(None)
         return True
@@ -184,9 +213,16 @@ class DecodeBatcher:
                     self.running.remove(seq)
 
     def _free_fenced(self) -> None:
-        for pages in self._fenced:
-            self.shard.free(pages)
-        self._fenced = []
+        """The step in flight ended: its released sequences' pages may go."""
+        fences, self._step_fenced = self._step_fenced, []
+        for fence in fences:
+            self._lift(fence)
+
+    def _lift(self, fence: _Fence) -> None:
+        fence.holds -= 1
+        if fence.holds == 0 and fence in self._fenced:
+            self._fenced.remove(fence)
+            self.shard.free(fence.pages)
 
     async def _sweep(self) -> None:
         while True:
@@ -202,14 +238,25 @@ class DecodeBatcher:
         await cancel_and_wait(self._task, self._sweeper)
         for request_id in list(self.seqs):
             self.release(request_id, "shutdown")
-        # The loop is gone (and the node is stopping): free what it fenced.
-        self._free_fenced()
+        # The loop is gone and the node is stopping: free whatever is fenced
+        # (a late lift finds its fence gone and frees nothing twice).
+        fences, self._fenced, self._step_fenced = self._fenced, [], []
+        for fence in fences:
+            self.shard.free(fence.pages)
 
     def load(self) -> dict:
         times = sorted(self.step_times)
         return {"batch_size": len(self.running), "waiting": len(self.waiting),
                 "reservations": len(self.seqs), "free_pages": self.shard.stats().free_pages,
-                "fenced_pages": sum(len(pages) for pages in self._fenced),
+                "fenced_pages": sum(len(fence.pages) for fence in self._fenced),
                 "recent_tbt_s": times[len(times) // 2] if times else 0.0,
                 "context_tokens": sum(s.position + 1 for s in self.running),
                 "tokens_out": self.tokens_out, "steps": self.steps}
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """``fn(*args)`` on ``loop`` from any thread; nothing once the loop is closed."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass

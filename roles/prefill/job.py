@@ -162,17 +162,30 @@ class PrefillJob:
         for b in range(first_block, end_block):
             local_off, length = self.layout.layer_range_span(block_table[b], l0 - base, l1 - base)
             remote_off = worker.full_layout.layer_range_span(target.pages[b], l0, l1)[0]
+            # The reservation's capability: the decode node lands a WRITE only
+            # into pages granted to it, so once the reservation is released
+            # (cancelled, expired) none of ours can reach the pages' next owner.
             requests.append(TransferRequest(TransferOp.WRITE, worker.region_id, local_off, length,
-                                            target.segment, remote_off, target.region))
+                                            target.segment, remote_off, target.region,
+                                            capability=target.capability))
         if not requests:
             return
-        if target.segment == self.worker.engine.name:
-            # Colocated: the "decode node" is this node; copy between our own pages.
+        engine = self.worker.engine
+        if target.segment == engine.name:
+            # Colocated: the "decode node" is this node; copy between our own
+            # pages, through the same write guard a peer's WRITE meets.
             buf = self.shard.buffer
             for r in requests:
-                buf[r.target_offset:r.target_offset + r.length] = buf[r.local_offset:r.local_offset + r.length]
+                if not engine.write_local(r.target_region, r.target_offset,
+                                          buf[r.local_offset:r.local_offset + r.length], r.capability):
+                    refused = asyncio.get_running_loop().create_future()
+                    refused.set_exception(TransferError(
+                        f"local copy into [{r.target_offset}, +{r.length}) refused: the reservation's "
+                        f"capability grants no such range (reservation released or expired?)"))
+                    self.sends.append(refused)
+                    return
             return
-        self.sends.append(asyncio.ensure_future(self.worker.engine.transfer(requests)))
+        self.sends.append(asyncio.ensure_future(engine.transfer(requests)))
 
     # -- the whole job --------------------------------------------------------
     # run() = prepare() -> compute -> finish(); the prefill queue may instead

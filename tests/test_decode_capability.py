@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -41,18 +39,12 @@ from roles.decode.batcher import DecodeBatcher
 from roles.prefill.job import PrefillJob
 from roles.worker_node import WorkerNode
 from tests.cluster_helpers import tokens
+from tests.waiting import eventually
 
 BLOCK = 16
 PAGES = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
-
-async def eventually(pred: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            pytest.fail(f"still false after {timeout}s: {pred}")
-        await asyncio.sleep(0.005)
 
 
 @dataclass

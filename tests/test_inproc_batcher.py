@@ -23,6 +23,7 @@ from model.runner import ModelRunner, kv_pages_view
 from model.sampling import SamplingParams
 from roles.decode.batcher import DecodeBatcher
 from tests.cluster_helpers import reference_greedy, tokens
+from tests.waiting import eventually
 
 BLOCK = 16
 
@@ -240,7 +241,7 @@ async def test_cancel_mid_generation_frees_the_pages_and_the_others_carry_on(mak
     steps_before = sum(long_page in step for step in worker.batches)
     assert batcher.release("long", "cancelled") is True
     # Its pages come back once the decode step in flight (if any) has ended.
-    await until(lambda: free_pages(batcher) == 24 - 4)       # only short's pages remain
+    await eventually(lambda: free_pages(batcher) == 24 - 4)       # only short's pages remain
     assert batcher.release("long", "cancelled") is False
     rest, why = await drain(long_q)
     assert why == "released"                                  # the stream ends with None
@@ -284,12 +285,6 @@ async def test_close_releases_every_reservation_and_ends_every_stream(make_batch
     assert why == "released"
 
 
-async def until(predicate, bound_s: float = 10.0) -> None:
-    async with asyncio.timeout(bound_s):
-        while not predicate():
-            await asyncio.sleep(0.01)
-
-
 class GatedWorker(TinyWorker):
     """Decode steps wait on ``gate`` on the compute thread, as a long step would."""
 
@@ -324,7 +319,7 @@ async def test_pages_of_a_sequence_in_the_step_in_flight_stay_fenced_until_it_en
         with pytest.raises(StoreFullError):
             batcher.reserve("b", 8 * BLOCK)           # the fenced pages are not reusable yet
         worker.gate.set()
-        await until(lambda: free_pages(batcher) == 8)
+        await eventually(lambda: free_pages(batcher) == 8)
         assert batcher.load()["fenced_pages"] == 0
         assert len(batcher.reserve("b", 8 * BLOCK)) == 8
     finally:

@@ -7,7 +7,6 @@ for a whole snapshot; the background loop catches up (snapshot, then events).
 
 from __future__ import annotations
 
-import asyncio
 
 import orjson
 from aiohttp import web
@@ -19,6 +18,7 @@ from kvstore.shard import StoreShard
 from mooncaked.node.internal_client import InternalClient
 from mooncaked.node.messages import Route
 from roles.cache_sync import CacheEventPusher
+from tests.waiting import eventually
 
 BLOCK = 16
 
@@ -59,12 +59,6 @@ def _store_one_block(shard: StoreShard, key: int) -> None:
     shard.publish(key, page, list(range(key, key + BLOCK)))
 
 
-async def _until(predicate, bound_s: float = 10.0) -> None:
-    async with asyncio.timeout(bound_s):
-        while not predicate():
-            await asyncio.sleep(0.02)
-
-
 async def test_a_failed_push_never_fails_the_prefill_and_the_loop_catches_up():
     conductor = StandInConductor()
     shard = _shard()
@@ -76,7 +70,7 @@ async def test_a_failed_push_never_fails_the_prefill_and_the_loop_catches_up():
             assert await pusher.flush() is False  # first contact needs a snapshot: not here
             assert conductor.snapshots == []
             pusher.start()
-            await _until(lambda: len(conductor.snapshots) == 1)
+            await eventually(lambda: len(conductor.snapshots) == 1)
             _store_one_block(shard, 100)
             assert await pusher.flush() is True
             assert conductor.events[-1]["stored"] == [100]
@@ -86,7 +80,7 @@ async def test_a_failed_push_never_fails_the_prefill_and_the_loop_catches_up():
             assert await pusher.flush() is False  # the conductor failed: no exception
             conductor.failing = False
             # The lost batch is recovered by a resync: a snapshot holding both keys.
-            await _until(lambda: len(conductor.snapshots) == 2)
+            await eventually(lambda: len(conductor.snapshots) == 2)
             assert sorted(conductor.snapshots[-1]["keys"]) == [100, 200]
         finally:
             await pusher.close()

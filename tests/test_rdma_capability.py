@@ -14,8 +14,7 @@ import asyncio
 import contextlib
 import socket
 import struct
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -24,19 +23,12 @@ from rdma.config import TransferConfig
 from rdma.engine import TransferEngine
 from rdma.guard import PageGrants
 from rdma.types import READ, WRITE, TransferError, TransferRequest
+from tests.waiting import eventually
 
 PAGE = 4096
 PAGES = 8
 SIZE = PAGES * PAGE
 
-
-async def eventually(pred: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Wait (bounded) until ``pred()`` holds; fail naming it otherwise."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            pytest.fail(f"still false after {timeout}s: {pred}")
-        await asyncio.sleep(0.005)
 
 
 @contextlib.asynccontextmanager

@@ -9,8 +9,7 @@ import asyncio
 import contextlib
 import socket
 import threading
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -20,19 +19,12 @@ from rdma.endpoint import EndpointError
 from rdma.engine import TransferEngine
 from rdma.slices import PathHealth
 from rdma.types import WRITE, TransferError, TransferRequest, TransferState
+from tests.waiting import eventually
 
 LOOP = "127.0.0.1"
 PATH = (LOOP, LOOP)  # the only path between two loopback engines
 SIZE = 3 * 4096 + 7
 
-
-async def eventually(pred: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Wait (bounded) until ``pred()`` holds; fail naming it otherwise."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            pytest.fail(f"still false after {timeout}s: {pred}")
-        await asyncio.sleep(0.01)
 
 
 @contextlib.asynccontextmanager

@@ -7,7 +7,6 @@ for a whole snapshot; the background loop catches up (snapshot, then events).
 
 from __future__ import annotations
 
-
 import orjson
 from aiohttp import web
 from aiohttp.test_utils import TestServer

@@ -240,12 +240,7 @@ async def test_a_cached_prefix_is_reused_and_changes_nothing(open_worker, decode
 
 @pytest.mark.parametrize("prompt, hit", [
     (PROMPT_B, 32),
-    pytest.param(PROMPT_A[:32], 16, marks=pytest.mark.xfail(strict=True, reason=(
-        "bug (metrics): for a prompt cached in full, PrefillJob.prepare pins every block "
-        "with StoreShard.acquire_prefix, which counts them all as hit tokens, then gives the "
-        "last block back to compute the last token; the shard's hit_tokens (the store's "
-        "prefix-cache hit metric) says 32 of 32 tokens while the reply says 16 cached, "
-        "16 computed"))),
+    (PROMPT_A[:32], 16),  # cached in full: the block with the last token is recomputed
 ])
 async def test_the_shard_counts_the_prefix_tokens_actually_reused(open_worker, decode, prompt, hit):
     worker = await open_worker()

@@ -70,19 +70,21 @@ class PrefillJob:
         self.stream_log: list[tuple[int, int, float]] = []  # (chunk_end, layer, sent_at)
 
     # -- step 1 -------------------------------------------------------------
-    async def load_prefix(self, result: PrefillReply) -> list[int]:
-        """Pin the longest prefix held here, then fetch the planned extra
-        blocks from the peer (a failed fetch is recorded in ``result`` and
-        those blocks are recomputed).  Returns the prefix's pages, pinned
-        under ``pinned_keys``; counts go into ``result``."""
+    async def load_prefix(self, result: PrefillReply,
+                          max_blocks: int | None = None) -> list[int]:
+        """Pin the longest prefix held here (at most ``max_blocks``), then
+        fetch the planned extra blocks from the peer (a failed fetch is
+        recorded in ``result`` and those blocks are recomputed).  Returns the
+        prefix's pages, pinned under ``pinned_keys``; counts go into ``result``."""
         spec, shard = self.spec, self.shard
         if not self.prefix_cache:
             return []
-        pages = shard.acquire_prefix(spec.block_keys, spec.token_ids)
-        self.pinned_keys = list(spec.block_keys[:len(pages)])
+        reusable = spec.block_keys[:max_blocks]
+        pages = shard.acquire_prefix(reusable, spec.token_ids)
+        self.pinned_keys = list(reusable[:len(pages)])
         result.local_hit_tokens = len(pages) * self.bs
         fetch = spec.fetch
-        want = min(fetch.to_block, len(spec.block_keys)) if fetch is not None else 0
+        want = min(fetch.to_block, len(reusable)) if fetch is not None else 0
         if want > len(pages):
             t0 = time.perf_counter()
             try:
@@ -198,8 +200,10 @@ class PrefillJob:
         n = len(spec.token_ids)
         self.result = result = PrefillReply(first_token=-1, logprob=0.0)
         self.t_start = time.perf_counter()
-        prefix_pages = await self.load_prefix(result)
-        # At least the last prompt token is computed (it yields the logits).
+        # The last prompt token is always computed (it yields the logits): the
+        # block holding it is never reused, so it is neither pinned, counted
+        # as a cache hit nor fetched.
+        prefix_pages = await self.load_prefix(result, max_blocks=(n - 1) // bs)
         usable = min(len(prefix_pages), (n - 1) // bs)
         if usable < len(prefix_pages):
             shard.release(self.pinned_keys[usable:])

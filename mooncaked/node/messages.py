@@ -42,8 +42,9 @@ rdma's own typed descriptor, re-exported here).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Mapping, Self
+from typing import Any, Callable, ClassVar, Mapping, NamedTuple, Self
 
 from model.sampling import SamplingParams
 # Re-exported: GET /internal/segments/{name} answers with one.
@@ -247,22 +248,27 @@ class Message:
     WHERE: ClassVar[str] = ""
 
     def to_wire(self) -> dict[str, Any]:
-        return {f.name: _to_wire(getattr(self, f.name)) for f in dataclasses.fields(self)
-                if not (f.metadata["omit_none"] and getattr(self, f.name) is None)}
+        out = {}
+        for f in _fields(type(self)):
+            v = getattr(self, f.name)
+            if v is None and f.omit_none:
+                continue
+            out[f.name] = _to_wire(v)
+        return out
 
     @classmethod
     def from_wire(cls, obj: Any, where: str | None = None) -> Self:
         where = cls._path(where)
         data: Mapping[str, Any] = json_object(obj, where)
         values = {}
-        for f in dataclasses.fields(cls):
-            at = f"{where}.{f.name}"
+        for f in _fields(cls):
             v = data.get(f.name)
-            if v is None and _has_default(f):
+            if v is None and f.has_default:
                 continue  # absent or null: the default
+            at = f"{where}.{f.name}"
             if f.name not in data:
                 raise MessageError(at, "missing")
-            values[f.name] = f.metadata["check"](v, at)
+            values[f.name] = f.check(v, at)
         return cls(**values)
 
     @classmethod
@@ -270,8 +276,20 @@ class Message:
         return where or cls.WHERE or cls.__name__
 
 
-def _has_default(f: dataclasses.Field) -> bool:
-    return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+class _Field(NamedTuple):
+    name: str
+    check: Check
+    has_default: bool
+    omit_none: bool
+
+
+@functools.cache
+def _fields(cls: type) -> tuple[_Field, ...]:
+    """A message class's fields, read once (encoding and decoding run per token)."""
+    return tuple(_Field(f.name, f.metadata["check"],
+                        f.default is not dataclasses.MISSING
+                        or f.default_factory is not dataclasses.MISSING,
+                        f.metadata["omit_none"]) for f in dataclasses.fields(cls))
 
 
 def _check_blocks(where: str, token_ids: list[int], block_keys: list[int],

@@ -564,3 +564,41 @@ async def test_heartbeats_carry_the_prefill_requests_the_node_holds(conductor_fo
     registry.heartbeat("prefill-0", {"queued_prefill_s": 0.25, "request_ids": ["booked"]},
                        time.monotonic())
     assert sched.prefill["prefill-0"].pending == {}
+
+
+async def test_a_request_refused_by_a_killed_prefill_node_is_served_by_another(conductor_for):
+    """A refused connection means no byte reached the node: the request is
+    rescheduled on a live prefill node, keeping its decode reservation,
+    instead of failing (the first request after a kill -9 used to get 502)."""
+    from roles.scheduling.state import PendingPrefill
+
+    closed = TestServer(web.Application(), host="127.0.0.1")
+    await closed.start_server()
+    dead_url = str(closed.make_url("")).rstrip("/")
+    await closed.close()
+    c = await conductor_for(prefill_url=dead_url)
+    live = FakePrefill()
+    server = TestServer(live.app(), host="127.0.0.1")
+    await server.start_server()
+    try:
+        sched, registry = c.sched, c.cluster.registry
+        registry.register(NodeRegistration(
+            node_id="prefill-1", role="prefill", url=str(server.make_url("")).rstrip("/"),
+            capacity={"pages": PAGES, "block_size": BLOCK, "kv_bytes_per_token": 1024}),
+            time.monotonic())
+        # A queue booked on prefill-1 makes the idle (dead) prefill-0 the first choice.
+        sched.prefill["prefill-1"].pending["busy"] = PendingPrefill(0.5, time.monotonic())
+        events: list = []
+        error = await run(c.dispatcher.generate("req-r", PROMPT, sampling()), events)
+        assert error is None
+        assert tokens_of(events)[-1][3] == "length"
+        assert [r.request_id for r in live.received] == ["req-r"]
+        assert not registry.get("prefill-0").alive
+        trace = c.dispatcher.traces["req-r"]
+        assert (trace.prefill_node, trace.prefill_attempts, trace.status) == ("prefill-1", 2, "ok")
+        assert len(c.decode.reserves) == 1 and c.decode.cancels == []   # pages kept
+        assert set(sched.prefill["prefill-1"].pending) == {"busy"}
+        del sched.prefill["prefill-1"].pending["busy"]
+        c.assert_capacity_returned()
+    finally:
+        await server.close()

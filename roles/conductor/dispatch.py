@@ -46,6 +46,14 @@ T = TypeVar("T")
 # node that stopped answering (no FIN on a partition) cannot hold a request.
 PREFILL_DEADLINE_FACTOR = 3.0
 PREFILL_DEADLINE_MARGIN_S = 10.0
+# A prefill node that refuses the connection has started nothing, so the
+# request is scheduled again (the refusing node is out of the cluster by then):
+# at most this many prefill nodes are tried before the client gets the 502.
+MAX_PREFILL_ATTEMPTS = 3
+
+
+class PrefillRefused(ApiError):
+    """The prefill node refused the connection: no byte of the request reached it."""
 
 
 @dataclass
@@ -74,6 +82,7 @@ class RequestTrace:
     e2e_s: float = 0.0
     completion_tokens: int = 0
     status: str = "running"
+    prefill_attempts: int = 1   # > 1: rescheduled after a prefill node refused the connection
     # CPP: stages, bytes that crossed stage boundaries, per-stage compute.
     cpp: dict[str, Any] | None = None
     token_times: list[float] = field(default_factory=list, repr=False)
@@ -149,7 +158,18 @@ class Dispatcher:
                 # time out: stop scheduling onto it now.
                 log.warning("prefill node %s refused a connection: taken out of the cluster "
                             "until it registers again", node_id)
-            raise exc.to_api_error() from None
+            error = exc.to_api_error()
+            if exc.refused:
+                raise PrefillRefused(error.status, error.message) from None
+            raise error from None
+
+    def _note_decision(self, trace: RequestTrace, decision) -> NodeRecord | None:
+        """Record the plan in the trace; the node to pull the prefix from, if any."""
+        trace.prefill_node, trace.decode_node = decision.prefill_node, decision.decode_node
+        trace.policy, trace.predicted_ttft_s = decision.policy, decision.predicted_ttft_s
+        source = self.cluster.registry.get(decision.transfer.source) if decision.transfer else None
+        trace.transfer_planned_from = source.node_id if source else None
+        return source
 
     def _remember(self, trace: RequestTrace) -> None:
         self.traces[trace.request_id] = trace
@@ -218,53 +238,86 @@ class Dispatcher:
                            headers={"Retry-After": str(retry)})
         prefill, stage_urls = cluster.prefill_target(decision.prefill_node)
         decode = cluster.registry.get(decision.decode_node)
-        trace.prefill_node, trace.decode_node = decision.prefill_node, decision.decode_node
-        trace.policy, trace.predicted_ttft_s = decision.policy, decision.predicted_ttft_s
-        source = cluster.registry.get(decision.transfer.source) if decision.transfer else None
-        trace.transfer_planned_from = source.node_id if source else None
+        source = self._note_decision(trace, decision)
         # finished: the request got its finish reason (status "ok");
         # stream_done: the decode node's stream ended it, so the node has freed
         # the reservation itself.  A request the first token finishes is
         # finished without a stream: its reservation is released below.
+        # booked: the Scheduler holds this request's prefill and decode bookings.
         reserved = prefill_done = finished = stream_done = False
+        booked = True
         self.metrics.running.inc()
         try:
-            if prefill is None or decode is None:
-                raise ApiError(503, "the chosen node just left the cluster; retry",
-                               headers={"Retry-After": "1"})
-            t = time.perf_counter()
-            reservation = await self.call_node(
-                decode.url + Route.DECODE_RESERVE,
-                ReservationRequest(request_id, total_tokens=len(token_ids) + sampling.max_tokens),
-                ReservationGrant.from_wire, "reserving KV pages on the decode node",
-                timeout=RESERVE_TIMEOUT_S)
-            reserved = True
-            trace.reserve_s = time.perf_counter() - t
-            yield Scheduled({
-                "request_id": request_id, "prefill_node": decision.prefill_node,
-                "decode_node": decision.decode_node, "policy": decision.policy,
-                "prefix_tokens_planned": decision.prefix_tokens,
-                # What x-mooncaked-cached-tokens reports (docs/api.md): the prefix
-                # hit planned with; the hit the prefill node achieved is in usage.
-                "cached_tokens": decision.prefix_tokens,
-                "local_prefix_tokens_planned": decision.local_prefix_tokens,
-                "transfer": trace.transfer_planned_from,
-                "predicted_ttft_ms": round(decision.predicted_ttft_s * 1000, 2),
-                "predicted_tbt_ms": round(decision.predicted_tbt_s * 1000, 2)})
-            spec = PrefillRequest(
-                request_id, token_ids, keys, decode=reservation, sampling=sampling,
-                fetch=None if source is None else FetchPlan(source.url, decision.transfer.to_block),
-                cpp=CppPlan(stage_urls) if stage_urls else None)
-            # No on_prefill_started here: the request may still wait in the
-            # node's queue, and counting its estimate down from now would make
-            # a busy node look idle.  Its whole estimate stays booked until the
-            # prefill finishes (or the node's heartbeat reports its real queue).
-            keepalive = asyncio.ensure_future(self._keep_reserved(decode.url, request_id))
-            try:
-                result = await self._call_prefill(prefill.node_id, prefill.url, spec,
-                                                  self.prefill_deadline_s(decision.predicted_ttft_s))
-            finally:
-                await cancel_and_wait(keepalive)
+            for attempt in range(1, MAX_PREFILL_ATTEMPTS + 1):
+                if prefill is None or decode is None:
+                    raise ApiError(503, "the chosen node just left the cluster; retry",
+                                   headers={"Retry-After": "1"})
+                if not reserved:
+                    t = time.perf_counter()
+                    reservation = await self.call_node(
+                        decode.url + Route.DECODE_RESERVE,
+                        ReservationRequest(request_id,
+                                           total_tokens=len(token_ids) + sampling.max_tokens),
+                        ReservationGrant.from_wire, "reserving KV pages on the decode node",
+                        timeout=RESERVE_TIMEOUT_S)
+                    reserved = True
+                    trace.reserve_s = time.perf_counter() - t
+                if attempt == 1:
+                    # One Scheduled per request: its headers describe the first
+                    # plan; a rerouted request's final nodes are in /admin/requests.
+                    yield Scheduled({
+                        "request_id": request_id, "prefill_node": decision.prefill_node,
+                        "decode_node": decision.decode_node, "policy": decision.policy,
+                        "prefix_tokens_planned": decision.prefix_tokens,
+                        # What x-mooncaked-cached-tokens reports (docs/api.md): the prefix
+                        # hit planned with; the hit the prefill node achieved is in usage.
+                        "cached_tokens": decision.prefix_tokens,
+                        "local_prefix_tokens_planned": decision.local_prefix_tokens,
+                        "transfer": trace.transfer_planned_from,
+                        "predicted_ttft_ms": round(decision.predicted_ttft_s * 1000, 2),
+                        "predicted_tbt_ms": round(decision.predicted_tbt_s * 1000, 2)})
+                spec = PrefillRequest(
+                    request_id, token_ids, keys, decode=reservation, sampling=sampling,
+                    fetch=None if source is None else FetchPlan(source.url,
+                                                                decision.transfer.to_block),
+                    cpp=CppPlan(stage_urls) if stage_urls else None)
+                # No on_prefill_started here: the request may still wait in the
+                # node's queue, and counting its estimate down from now would make
+                # a busy node look idle.  Its whole estimate stays booked until the
+                # prefill finishes (or the node's heartbeat reports its real queue).
+                keepalive = asyncio.ensure_future(self._keep_reserved(decode.url, request_id))
+                try:
+                    result = await self._call_prefill(
+                        prefill.node_id, prefill.url, spec,
+                        self.prefill_deadline_s(decision.predicted_ttft_s))
+                    break
+                except PrefillRefused:
+                    # Nothing reached that node (it was killed and not yet
+                    # swept from the cluster): the request is scheduled afresh
+                    # on the nodes that remain, keeping its decode pages when
+                    # the same decode node is chosen again.
+                    if attempt == MAX_PREFILL_ATTEMPTS:
+                        raise
+                    now = time.monotonic()
+                    sched.on_prefill_finished(decision.prefill_node, request_id, now, 0.0)
+                    sched.on_decode_finished(decision.decode_node, request_id, now)
+                    booked = False
+                    retry = sched.schedule(sreq, now)
+                    if isinstance(retry, Rejection):
+                        raise
+                    booked = True
+                    log.warning("%s: prefill node %s refused the connection; rescheduled on %s",
+                                request_id, decision.prefill_node, retry.prefill_node)
+                    if retry.decode_node != decision.decode_node:
+                        await self._cancel(decode.url + Route.DECODE_CANCEL, request_id)
+                        reserved = False
+                    decision = retry
+                    prefill, stage_urls = cluster.prefill_target(decision.prefill_node)
+                    decode = cluster.registry.get(decision.decode_node)
+                    source = self._note_decision(trace, decision)
+                    trace.prefill_attempts = attempt + 1
+                finally:
+                    await cancel_and_wait(keepalive)
             prefill_done = True
             self._account_prefill(trace, result, decision, source)
             trace.ttft_s = time.perf_counter() - t0
@@ -298,12 +351,14 @@ class Dispatcher:
             self.metrics.running.dec()
             now = time.monotonic()
             if not prefill_done:
-                sched.on_prefill_finished(decision.prefill_node, request_id, now, 0.0)
+                if booked:
+                    sched.on_prefill_finished(decision.prefill_node, request_id, now, 0.0)
                 if prefill is not None and reserved:
                     await self._cancel(prefill.url + Route.PREFILL_CANCEL, request_id)
             if reserved and not stream_done and decode is not None:
                 await self._cancel(decode.url + Route.DECODE_CANCEL, request_id)
-            sched.on_decode_finished(decision.decode_node, request_id, now)
+            if booked:
+                sched.on_decode_finished(decision.decode_node, request_id, now)
             trace.e2e_s = time.perf_counter() - t0
             trace.completion_tokens = len(trace.token_times)
             self.metrics.finished(trace)

@@ -452,6 +452,12 @@ class StoreShard:
             ssd_capacity_blocks=ssd.num_slots if ssd is not None else 0,
             **self._counters.as_dict())
 
+    def wait_ssd_writes(self) -> None:
+        """Block until the SSD tier's background writes are done and applied
+        (see ssd.py; a no-op without the tier)."""
+        if self._ssd is not None:
+            self._ssd.settle()
+
     def check_integrity(self) -> None:
         """Assert the invariants of the module docstring (used by the tests)."""
         free, private = self._free, self._private

@@ -7,6 +7,14 @@ the shard finds a page for it, the tier reads it back
 (:meth:`SsdTier.read_back`) and frees the slot.  Every key that leaves the
 node here (an SSD drop, a failed write or read) is reported as evicted; a
 key that only changes tier is not, since the node still holds it.
+
+The pool writes in the background when the shard runs on an event loop (see
+ssd.py).  A write that fails after its demotion was counted is reported here
+when the pool hands back its key (``_write_failed``).  Finished writes are
+applied at the tier's entry points, except :meth:`demote`: a demotion may run
+in the middle of a promotion (finding the promoted block a page), and the
+promoted entry must not change state until :meth:`read_back` or
+:meth:`unreserve`.
 """
 
 from __future__ import annotations
@@ -23,10 +31,13 @@ class SsdTier:
         self.pool = pool
         self._events = events
         self._counters = counters
+        pool.on_write_failed = self._write_failed
 
     # ---------------------------------------------------------------- queries
 
     def __contains__(self, key: int) -> bool:
+        # No reap here: match_prefix asks once per key (an in-flight write
+        # is held, so the answer is the same either way).
         return key in self.pool
 
     def __len__(self) -> int:
@@ -37,6 +48,7 @@ class SsdTier:
         return self.pool.num_slots
 
     def keys(self) -> list[int]:
+        self.pool.reap()
         return self.pool.keys()
 
     def peek(self, key: int) -> SsdEntry | None:
@@ -47,13 +59,15 @@ class SsdTier:
 
     def remove(self, key: int) -> bool:
         """Forget the SSD copy of ``key``; the caller reports the event, if any."""
+        self.pool.reap()
         return self.pool.remove(key)
 
     # ------------------------------------------------------------------ moves
 
     def demote(self, key: int, data: memoryview, tokens: bytes | None, replicas: int) -> None:
         """Write a block just evicted from DRAM; ``data`` must stay valid for
-        the call only (the shard frees its page afterwards)."""
+        the call only (the shard frees its page afterwards; a background
+        write works on the pool's own copy)."""
         stored, dropped = self.pool.put(key, data, tokens, replicas)
         if stored:
             self._counters.demotions += 1
@@ -67,11 +81,14 @@ class SsdTier:
         """Start promoting ``key``: take it out of the tier's index but keep its
         slot, so that a demotion caused by finding a page for it cannot
         overwrite it.  None if the tier does not hold it."""
+        self.pool.reap()
         return self.pool.take(key)
 
     def unreserve(self, key: int, entry: SsdEntry) -> None:
-        """Abandon a promotion (no page could be had): the SSD copy stays."""
-        self.pool.untake(key, entry)
+        """Abandon a promotion (no page could be had): the SSD copy stays,
+        unless its write failed meanwhile."""
+        if not self.pool.untake(key, entry):
+            self._write_failed([key])
 
     def read_back(self, key: int, entry: SsdEntry, out: memoryview) -> None:
         """Finish a promotion: read the block into ``out`` and free its slot.
@@ -80,17 +97,28 @@ class SsdTier:
         try:
             self.pool.read_into(entry, out)
         except OSError:
-            self.pool.release_slot(entry.slot)
+            self.pool.release_slot(entry)
             self._counters.ssd_drops += 1
             self._events.evicted(key)
             raise
-        self.pool.release_slot(entry.slot)
+        self.pool.release_slot(entry)
         self._counters.promotions += 1
+
+    def _write_failed(self, keys: list[int]) -> None:
+        """Background writes of ``keys`` failed: the blocks left the node."""
+        for k in keys:
+            self._counters.ssd_drops += 1
+            self._events.evicted(k)
+
+    def settle(self) -> None:
+        """Wait for every background write and apply the results."""
+        self.pool.wait_writes()
 
     # -------------------------------------------------------------- lifecycle
 
     def check_integrity(self, dram_keys: Iterable[int]) -> None:
         """Assert the pool's own invariants and that no key is in both tiers."""
+        self.pool.reap()
         self.pool.check_integrity()
         assert not set(self.pool.keys()) & set(dram_keys), "a key is in both tiers"
 

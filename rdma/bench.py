@@ -65,7 +65,8 @@ async def _one(eng: TransferEngine, region: int, op, size: int, conc: int, total
 async def _run(args: dict) -> dict:
     cfg_kw = dict(args.get("config", {}))
     cfg_kw.setdefault("transport", "tcp")
-    peer = PeerProcess("bench-target", BUF, settings={k: v for k, v in cfg_kw.items() if k != "transport"})
+    peer = PeerProcess("bench-target", BUF, token=cfg_kw.get("auth_token", ""),
+                       settings={k: v for k, v in cfg_kw.items() if k not in ("transport", "auth_token")})
     try:
         eng = TransferEngine(TransferConfig(**cfg_kw), "bench-initiator")
         await eng.start()

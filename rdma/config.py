@@ -45,6 +45,11 @@ class TransferConfig:
     # Shared secret authenticating the handshake and every frame header
     # (HMAC-SHA256). Empty = no secret: listeners then accept loopback peers only.
     auth_token: str = ""
+    # Authenticate every payload too (tcp transport): an HMAC-SHA256 trailer over
+    # each WRITE's and READ response's bytes, checked before the slice counts as
+    # done (rdma/frames.py, "Payload tag").  Needs auth_token; off by default
+    # because it costs a pass over every byte on each side (docs/transfer.md).
+    payload_auth: bool = False
     # TCP_USER_TIMEOUT: unacknowledged data older than this kills the socket.
     user_timeout_ms: int = 3000
     # Optional topology override: {location: [[preferred nics], [secondary nics]]}.
@@ -84,6 +89,8 @@ class TransferConfig:
             raise ValueError(f"user_timeout_ms must be >= 0, got {self.user_timeout_ms}")
         if self.rdma_port < 1 or self.rdma_gid_index < 0 or self.busy_poll_budget < 0:
             raise ValueError("rdma_port must be >= 1, rdma_gid_index and busy_poll_budget >= 0")
+        if self.payload_auth and not self.auth_token:
+            raise ValueError("payload_auth needs auth_token (the payload tag is keyed by the session key)")
         if self.max_frame_bytes < 1:
             raise ValueError(f"max_frame_bytes must be >= 1, got {self.max_frame_bytes}")
         if self.slice_bytes > self.max_frame_bytes:

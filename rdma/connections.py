@@ -128,7 +128,7 @@ class Connections:
                                 self.config.connect_timeout_s, on_fail=self._endpoint_failed)
         return TcpEndpoint(self._loop, path[0], nic.host, nic.port, self.config.auth_token,
                            desc.name, self.config.user_timeout_ms, self.config.connect_timeout_s,
-                           on_fail=self._endpoint_failed)
+                           on_fail=self._endpoint_failed, payload_auth=self.config.payload_auth)
 
     def _endpoint_failed(self, ep: Endpoint, reason: str, penalize: bool = True) -> None:
         key = ep.pool_key

@@ -6,7 +6,7 @@ Every operation is one fixed-size header, optionally followed by payload:
     0      4    magic  b"MCTE"
     4      1    version
     5      1    op     (OP_* below)
-    6      2    flags  (FLAG_CAPABILITY; every other bit reserved, must be 0)
+    6      2    flags  (FLAG_CAPABILITY, FLAG_PAYLOAD_TAG; other bits reserved, must be 0)
     8      4    status (0 in requests; responses: STATUS_OK or STATUS_REFUSED)
     12     4    region id
     16     8    offset into the region
@@ -20,6 +20,22 @@ capability: a target whose region has a write guard takes the WRITE only if
 the guard grants that capability every page the WRITE touches.  The tag
 covers the extension, and the flag that announces it, so a capability can
 be neither changed nor stripped in transit.
+
+Payload tag (``TransferConfig.payload_auth``, off by default): the header tag
+covers only the header, so a payload altered in transit would land unnoticed.
+With FLAG_PAYLOAD_TAG set (and covered by the header tag) a 16-byte trailer
+follows the payload: truncated HMAC-SHA256(session key, b"pay" + the header's
+tag + payload), which binds the payload to that header (and so to its
+connection, sequence number and target range).  A WRITE that carries it is
+sent by an initiator with payload_auth on; a READ that carries it asks the
+target to tag its OP_READ_RESP the same way.  The header is still checked
+before any byte lands; the payload is received straight into its destination
+(zero copy) and checked after, before it is acknowledged: a WRITE whose
+trailer does not match gets no OP_WRITE_ACK, the connection is closed, and
+the sender's slice fails and is retried (or the transfer fails), so the bytes
+are never counted as written -- they lie in pages the WRITE's capability
+granted, which nobody reads before the transfer reports success.  A READ
+response that fails the check fails its slice the same way on the initiator.
 
 Requests: OP_WRITE header + ``length`` payload bytes -> OP_WRITE_ACK header
 (status STATUS_OK, or STATUS_REFUSED when the region's write guard refused:
@@ -67,6 +83,8 @@ STATUS_OK = 0
 STATUS_REFUSED = 1  # OP_WRITE_ACK: the region's write guard refused the WRITE
 
 FLAG_CAPABILITY = 1  # the 8-byte capability extension follows the header
+FLAG_PAYLOAD_TAG = 2  # a 16-byte payload tag follows the payload (see above)
+_KNOWN_FLAGS = FLAG_CAPABILITY | FLAG_PAYLOAD_TAG
 
 HEADER = struct.Struct("<4sBBHIIQQQ16s")
 HEADER_SIZE = HEADER.size  # 56
@@ -100,12 +118,20 @@ class Frame(NamedTuple):
     length: int
     seq: int
     capability: int  # 0 = none
+    # FLAG_PAYLOAD_TAG: a payload tag follows the payload (check_payload_tag).
+    payload_tagged: bool = False
+    # The header's own tag, which the payload tag is chained to.
+    tag: bytes = _NO_TAG
 
 
 def pack_header(session_key: bytes | None, op: int, region: int, offset: int, length: int,
-                seq: int, status: int = 0, capability: int = 0) -> bytes:
-    """The header (56 bytes), plus the capability extension (8 more) when ``capability``."""
-    flags = FLAG_CAPABILITY if capability else 0
+                seq: int, status: int = 0, capability: int = 0, payload_tag: bool = False) -> bytes:
+    """The header (56 bytes), plus the capability extension (8 more) when
+    ``capability``.  ``payload_tag`` announces a payload tag after the payload
+    (needs a session key: it is an HMAC)."""
+    if payload_tag and session_key is None:
+        raise ValueError("a payload tag needs a session key (transfer auth_token)")
+    flags = (FLAG_CAPABILITY if capability else 0) | (FLAG_PAYLOAD_TAG if payload_tag else 0)
     ext = CAPABILITY.pack(capability) if capability else b""
     head = HEADER.pack(MAGIC, VERSION, op, flags, status, region, offset, length, seq, _NO_TAG)
     if session_key is None:
@@ -129,7 +155,7 @@ def unpack_frame(session_key: bytes | None, data: bytes) -> Frame:
         raise FrameError("bad magic")
     if version != VERSION:
         raise FrameError(f"unsupported version {version}")
-    if flags & ~FLAG_CAPABILITY:
+    if flags & ~_KNOWN_FLAGS:
         raise FrameError("reserved flags set")
     want = HEADER_SIZE + (CAPABILITY_SIZE if flags & FLAG_CAPABILITY else 0)
     if len(data) != want:
@@ -140,10 +166,34 @@ def unpack_frame(session_key: bytes | None, data: bytes) -> Frame:
             raise FrameError("bad frame tag")
     elif tag != _NO_TAG:
         raise FrameError("unexpected frame tag")
+    elif flags & FLAG_PAYLOAD_TAG:
+        raise FrameError("payload tag announced without a session key")
     capability = CAPABILITY.unpack(ext)[0] if ext else 0
     if ext and not capability:
         raise FrameError("capability extension holding capability 0")
-    return Frame(op, status, region, offset, length, seq, capability)
+    return Frame(op, status, region, offset, length, seq, capability,
+                 bool(flags & FLAG_PAYLOAD_TAG), tag)
+
+
+def header_tag(head: bytes) -> bytes:
+    """The tag field of a packed header (what a payload tag is chained to)."""
+    return head[_SIGNED:_SIGNED + TAG_SIZE]
+
+
+def payload_tag(session_key: bytes, head_tag: bytes, payload: memoryview | bytes) -> bytes:
+    """The trailer sent after a payload whose header has FLAG_PAYLOAD_TAG."""
+    mac = hmac.new(session_key, b"pay", hashlib.sha256)
+    mac.update(head_tag)
+    mac.update(payload)  # hashlib drops the GIL for large buffers
+    return mac.digest()[:TAG_SIZE]
+
+
+def check_payload_tag(session_key: bytes, frame: Frame, payload: memoryview | bytes,
+                      trailer: bytes) -> None:
+    """Raise FrameError unless ``trailer`` is the payload tag of ``payload``
+    under ``frame``'s header."""
+    if not hmac.compare_digest(trailer, payload_tag(session_key, frame.tag, payload)):
+        raise FrameError("bad payload tag")
 
 
 def unpack_header(session_key: bytes | None, data: bytes) -> tuple[int, int, int, int, int, int]:

@@ -69,6 +69,9 @@ class LocalSegment:
                 for region in self.regions.values():
                     self._register_rdma(region)
         self.transport = transport
+        if transport == "rdma" and self.config.payload_auth:
+            log.warning("payload_auth covers the tcp transport only: rdma payloads move by "
+                        "one-sided verbs and are not tagged")
         if self.verbs is not None:
             self.topology = Topology(self.config.topology or discover_matrix(list(self.verbs.devices)))
         else:
@@ -77,7 +80,8 @@ class LocalSegment:
             port = self.config.port + i if self.config.port else 0
             lst = TcpListener(host, port, self.name, self.regions, self.config.auth_token,
                               self.config.user_timeout_ms, self.config.max_frame_bytes,
-                              qp_acceptor=self.verbs.accept_qp if self.verbs is not None else None)
+                              qp_acceptor=self.verbs.accept_qp if self.verbs is not None else None,
+                              payload_auth=self.config.payload_auth)
             lst.start()
             self.listeners.append(lst)
 
@@ -93,6 +97,11 @@ class LocalSegment:
     def refused(self) -> int:
         """Connections our listeners closed for a bad frame or failed auth."""
         return sum(lst.refused for lst in self.listeners)
+
+    @property
+    def bad_payloads(self) -> int:
+        """WRITEs whose payload tag did not match (payload_auth; connection closed)."""
+        return sum(lst.bad_payloads for lst in self.listeners)
 
     @property
     def refused_writes(self) -> int:

@@ -16,6 +16,12 @@ guard (types.WriteGuard), asked before a WRITE's payload is received into
 the region: a refused WRITE's payload is read and dropped, and the sender
 gets an OP_WRITE_ACK with STATUS_REFUSED (its endpoint fails just that
 slice with ``WriteRefused``; the connection stays in use).
+
+With ``payload_auth`` (frames.py, "Payload tag") the payload is still
+received straight into the region, then checked against its trailer before
+the ACK; a mismatch closes the connection unacknowledged.  The initiator
+tags its WRITEs and asks for tagged READ responses; the listener then also
+refuses (closes on) an untagged WRITE.
 """
 
 from __future__ import annotations
@@ -88,8 +94,11 @@ class TcpListener:
 
     def __init__(self, host: str, port: int, segment_name: str, regions: dict[int, Region],
                  token: str, user_timeout_ms: int, max_frame_bytes: int,
-                 qp_acceptor: Callable[[dict], tuple[dict, Callable[[], None]]] | None = None) -> None:
+                 qp_acceptor: Callable[[dict], tuple[dict, Callable[[], None]]] | None = None,
+                 payload_auth: bool = False) -> None:
         self.host = host
+        # Require a payload tag on every WRITE (frames.py, "Payload tag").
+        self.payload_auth = payload_auth
         self.qp_acceptor = qp_acceptor
         self.segment_name = segment_name
         self.regions = regions
@@ -106,6 +115,7 @@ class TcpListener:
         self._closed = False
         self.refused = 0  # connections closed for a bad frame or failed auth
         self.refused_writes = 0  # WRITEs a region's write guard refused (answered, not closed)
+        self.bad_payloads = 0  # WRITEs whose payload tag did not match (connection closed)
         self._thread = threading.Thread(target=self._accept_loop, name=f"tcp-accept-{host}:{self.port}",
                                         daemon=True)
 
@@ -156,7 +166,10 @@ class TcpListener:
             hdr = bytearray(frames.HEADER_SIZE + frames.CAPABILITY_SIZE)
             scratch: memoryview | None = None  # for dropping refused payloads
             while True:
-                op, _status, rid, off, length, seq, cap = frames.recv_frame(conn, key, hdr)
+                frame = frames.recv_frame(conn, key, hdr)
+                op, rid, off, length, seq, cap = (frame.op, frame.region, frame.offset, frame.length,
+                                                  frame.seq, frame.capability)
+                tagged = frame.payload_tagged
                 # Invariant: nothing below touches region memory unless every
                 # check passed; any failure closes the connection, except a
                 # WRITE its region's guard refuses, which is answered.
@@ -186,6 +199,8 @@ class TcpListener:
                     raise FrameError(f"range [{off}, +{length}) outside region {rid} of {region.length} bytes")
                 view = region.view[off:off + length]
                 if op == frames.OP_WRITE:
+                    if self.payload_auth and not tagged:
+                        raise FrameError("WRITE without a payload tag (payload_auth is on)")
                     guard = region.write_guard
                     if guard is not None and not guard.admit(cap, off, length):
                         self.refused_writes += 1
@@ -193,18 +208,34 @@ class TcpListener:
                                   off, length, rid, addr[0])
                         if scratch is None:
                             scratch = memoryview(bytearray(1 << 16))
-                        _discard(conn, length, scratch)
+                        _discard(conn, length + (frames.TAG_SIZE if tagged else 0), scratch)
                         conn.sendall(frames.pack_header(key, frames.OP_WRITE_ACK, rid, off, length, seq,
                                                         status=frames.STATUS_REFUSED))
                         continue
                     try:
                         frames.recv_exact(conn, view)
+                        if tagged:
+                            assert key is not None  # unpack_frame refuses the flag without one
+                            try:
+                                frames.check_payload_tag(key, frame, view,
+                                                         frames.recv_bytes(conn, frames.TAG_SIZE))
+                            except FrameError:
+                                # Landed but never acknowledged: the sender
+                                # counts the slice as failed (frames.py).
+                                self.bad_payloads += 1
+                                raise
                     finally:
                         if guard is not None:
                             guard.landed(cap)
                     conn.sendall(frames.pack_header(key, frames.OP_WRITE_ACK, rid, off, length, seq))
                 else:
-                    _sendmsg_all(conn, [frames.pack_header(key, frames.OP_READ_RESP, rid, off, length, seq), view])
+                    resp = frames.pack_header(key, frames.OP_READ_RESP, rid, off, length, seq,
+                                              payload_tag=tagged)
+                    parts = [resp, view]
+                    if tagged:
+                        assert key is not None
+                        parts.append(frames.payload_tag(key, frames.header_tag(resp), view))
+                    _sendmsg_all(conn, parts)
         except FrameError as e:
             self.refused += 1
             log.warning("closing connection from %s: %s", addr[0], e)
@@ -250,8 +281,11 @@ class TcpEndpoint(Endpoint):
 
     def __init__(self, loop: asyncio.AbstractEventLoop, local_host: str, remote_host: str, remote_port: int,
                  token: str, expect_segment: str, user_timeout_ms: int, connect_timeout_s: float,
-                 on_fail: Callable[[Endpoint, str, bool], None] | None = None) -> None:
+                 on_fail: Callable[[Endpoint, str, bool], None] | None = None,
+                 payload_auth: bool = False) -> None:
         super().__init__(loop, token, user_timeout_ms, connect_timeout_s, on_fail)
+        # Tag WRITE payloads and require tagged READ responses (frames.py).
+        self.payload_auth = payload_auth
         self.local_host, self.remote_host, self.remote_port = local_host, remote_host, remote_port
         self.expect_segment = expect_segment
         self.sock: socket.socket | None = None
@@ -306,9 +340,14 @@ class TcpEndpoint(Endpoint):
                     return
                 seq += 1
                 hdr = frames.pack_header(self.key, frames.OP_WRITE if p.op == TransferOp.WRITE else frames.OP_READ,
-                                         p.rid, p.offset, len(p.view), seq, capability=p.capability)
-                if p.op == TransferOp.WRITE and len(p.view):
-                    _sendmsg_all(self.sock, [hdr, p.view])
+                                         p.rid, p.offset, len(p.view), seq, capability=p.capability,
+                                         payload_tag=self.payload_auth)
+                if p.op == TransferOp.WRITE:
+                    parts = [hdr, p.view] if len(p.view) else [hdr]
+                    if self.payload_auth:
+                        assert self.key is not None  # TransferConfig needs auth_token for it
+                        parts.append(frames.payload_tag(self.key, frames.header_tag(hdr), p.view))
+                    _sendmsg_all(self.sock, parts)
                 else:
                     self.sock.sendall(hdr)
         except (OSError, AttributeError) as e:
@@ -321,7 +360,8 @@ class TcpEndpoint(Endpoint):
         try:
             while True:
                 frames.recv_exact(self.sock, hview)
-                op, status, _rid, _off, length, seq = frames.unpack_header(self.key, bytes(hdr))
+                frame = frames.unpack_frame(self.key, bytes(hdr))
+                op, status, length, seq = frame.op, frame.status, frame.length, frame.seq
                 p = self.pending.get(seq)
                 want = frames.OP_READ_RESP if p is not None and p.op == TransferOp.READ else frames.OP_WRITE_ACK
                 refused = op == frames.OP_WRITE_ACK and status == frames.STATUS_REFUSED
@@ -331,7 +371,15 @@ class TcpEndpoint(Endpoint):
                                      f"(expected {expect})")
                 expect += 1
                 if op == frames.OP_READ_RESP:
+                    if self.payload_auth and not frame.payload_tagged:
+                        raise FrameError("READ response without a payload tag (payload_auth is on)")
                     frames.recv_exact(self.sock, p.view)
+                    if frame.payload_tagged:
+                        # Received in place; a mismatch fails the slice below,
+                        # so the bytes are never reported as read.
+                        assert self.key is not None
+                        frames.check_payload_tag(self.key, frame, p.view,
+                                                 frames.recv_bytes(self.sock, frames.TAG_SIZE))
                 self.last_progress = time.monotonic()
                 if refused:
                     self.loop.call_soon_threadsafe(self._complete, seq, WriteRefused(

@@ -53,6 +53,11 @@ class SegmentDirectory:
                 self._cached.put(seg.name, seg)
         return seg
 
+    def holds(self, desc: SegmentDescriptor) -> bool:
+        """``desc`` is still the descriptor held under its name (not dropped
+        by ``invalidate``, not replaced)."""
+        return (self._known.get(desc.name) or self._cached.get(desc.name)) is desc
+
     def invalidate(self, name: str) -> None:
         """Forget ``name`` after a failed connect, when a resolver can refresh it
         (without one, a dropped descriptor could never come back)."""

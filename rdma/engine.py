@@ -103,6 +103,10 @@ class TransferEngine:
         """Make a peer's segment known; raises ValueError naming a bad field."""
         self._directory.add(desc)
 
+    async def resolve_segment(self, name: str) -> SegmentDescriptor | None:
+        """A peer's descriptor (added, cached, or asked of the resolver); None if unknown."""
+        return await self._directory.resolve(name)
+
     def set_resolver(self, resolver: Resolver | None) -> None:
         """``resolver(name)`` is asked for segments not added; it returns a
         wire dict (or a SegmentDescriptor), or None when the name is unknown."""
@@ -184,5 +188,6 @@ class TransferEngine:
             "path_failures": self.path_failures,
             "refused_connections": self._local.refused,
             "refused_writes": self._local.refused_writes,
+            "bad_payloads": self._local.bad_payloads,
             "batches": len(self._batches),
         }

@@ -70,40 +70,19 @@ class RequestRunner:
         req = st.request
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
+                desc = await self._resolve(req)
                 try:
-                    desc = await self.directory.resolve(req.target_segment)
-                except Exception as e:  # not BaseException: cancellation and the deadline go through
-                    raise RequestFailed(f"cannot resolve segment {req.target_segment!r}: "
-                                        f"{type(e).__name__}: {e}") from e
-                if desc is None:
-                    raise RequestFailed(f"unknown segment {req.target_segment!r}")
-                rreg = desc.region(req.target_region)
-                if rreg is None:
-                    raise RequestFailed(f"segment {req.target_segment!r} has no region {req.target_region}")
-                if req.target_offset + req.length > rreg.length:
-                    raise RequestFailed(f"target range [{req.target_offset}, +{req.length}) exceeds region "
-                                        f"{req.target_region} of {rreg.length} bytes")
-                if req.length:
-                    local = self.local.regions.get(req.local_region)
-                    if local is None:
-                        raise RequestFailed(f"local region {req.local_region} was unregistered")
-                    primary, fallback = slicing.plan_paths(self.local.topology, local.location,
-                                                           Topology(desc.topology), rreg.location)
-                    if not primary and not fallback:
-                        raise RequestFailed(f"no path from our nics to segment {req.target_segment!r}: its "
-                                            f"topology names no nic for {rreg.location!r}")
-                    st.state = TransferState.PENDING
-                    parts = slicing.cut(req.local_offset, req.target_offset, req.length, self.slice_bytes)
-                    try:
-                        async with asyncio.TaskGroup() as tg:
-                            for s in parts:
-                                tg.create_task(self._run_slice(st, desc, local, s, primary, fallback))
-                    except ExceptionGroup as eg:
-                        # The first failing slice cancelled its siblings; report it.
-                        first = next((e for e in eg.exceptions if isinstance(e, RequestFailed)), None)
-                        if first is None:
-                            raise
-                        raise first from None
+                    await self._move(st, desc)
+                except RequestFailed:
+                    # A peer that restarted (same name, new listen ports)
+                    # refuses every connect to its stale descriptor, and a
+                    # failed connect drops that descriptor (connections.py).
+                    # When nothing got through, look it up again and run the
+                    # request once more (re-posting a range is idempotent).
+                    fresh = None if st.transferred else await self._resolve(req)
+                    if fresh is None or fresh == desc:
+                        raise
+                    await self._move(st, fresh)
             st.state = TransferState.COMPLETED
         except TimeoutError:
             st.state = TransferState.TIMEOUT
@@ -116,6 +95,48 @@ class RequestRunner:
             st.state = TransferState.FAILED
             st.reason = "cancelled"
             raise
+
+    async def _resolve(self, req: TransferRequest) -> SegmentDescriptor:
+        try:
+            desc = await self.directory.resolve(req.target_segment)
+        except Exception as e:  # not BaseException: cancellation and the deadline go through
+            raise RequestFailed(f"cannot resolve segment {req.target_segment!r}: "
+                                f"{type(e).__name__}: {e}") from e
+        if desc is None:
+            raise RequestFailed(f"unknown segment {req.target_segment!r}")
+        return desc
+
+    async def _move(self, st: RequestState, desc: SegmentDescriptor) -> None:
+        """Check ``st``'s request against ``desc`` and post all its slices."""
+        req = st.request
+        rreg = desc.region(req.target_region)
+        if rreg is None:
+            raise RequestFailed(f"segment {req.target_segment!r} has no region {req.target_region}")
+        if req.target_offset + req.length > rreg.length:
+            raise RequestFailed(f"target range [{req.target_offset}, +{req.length}) exceeds region "
+                                f"{req.target_region} of {rreg.length} bytes")
+        if not req.length:
+            return
+        local = self.local.regions.get(req.local_region)
+        if local is None:
+            raise RequestFailed(f"local region {req.local_region} was unregistered")
+        primary, fallback = slicing.plan_paths(self.local.topology, local.location,
+                                               Topology(desc.topology), rreg.location)
+        if not primary and not fallback:
+            raise RequestFailed(f"no path from our nics to segment {req.target_segment!r}: its "
+                                f"topology names no nic for {rreg.location!r}")
+        st.state = TransferState.PENDING
+        parts = slicing.cut(req.local_offset, req.target_offset, req.length, self.slice_bytes)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for s in parts:
+                    tg.create_task(self._run_slice(st, desc, local, s, primary, fallback))
+        except ExceptionGroup as eg:
+            # The first failing slice cancelled its siblings; report it.
+            first = next((e for e in eg.exceptions if isinstance(e, RequestFailed)), None)
+            if first is None:
+                raise
+            raise first from None
 
     async def _run_slice(self, st: RequestState, desc: SegmentDescriptor, local: Region, s: slicing.Slice,
                          primary: list[Path], fallback: list[Path]) -> None:
@@ -144,6 +165,13 @@ class RequestRunner:
             except EndpointError as e:
                 last, avoid = str(e), path
                 failures += 1
+                if not self.directory.holds(desc):
+                    # A failed connect dropped the descriptor: the peer is not
+                    # where it was (restarted on new ports).  Posting to the
+                    # old address again would only climb the path's back-off;
+                    # ``run`` looks the segment up afresh.
+                    raise RequestFailed(f"segment {seg!r} is no longer at the address "
+                                        f"its descriptor names: {last}") from None
                 if failures > self.config.max_retries:
                     raise RequestFailed(f"slice at offset {s.remote_offset - st.request.target_offset} failed "
                                         f"{failures} times; last error: {last}") from None

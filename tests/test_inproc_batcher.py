@@ -327,3 +327,29 @@ async def test_pages_of_a_sequence_in_the_step_in_flight_stay_fenced_until_it_en
         await batcher.close()
         worker.pool.shutdown(wait=True)
 
+
+
+async def test_load_report_names_each_sequence_and_recent_steps(make_batcher):
+    """What the conductor predicts the node's future load from (typed records)."""
+    from mooncaked.node.messages import DecodeSeqLoad, DecodeStepSample
+    batcher, worker = make_batcher(pages=16)
+    prompt = tokens(37, seed=1)
+    first = await prefill(batcher, worker, "r", prompt, 30)
+    queue = batcher.start("r", len(prompt), first, greedy(30))
+    await drain(queue, until=4)
+    load = batcher.load()
+    (seq,) = [DecodeSeqLoad.from_wire(s) for s in load["sequences"]]
+    assert seq.request_id == "r" and seq.max_tokens == 30
+    assert seq.generated_tokens >= 5                  # first token + at least 4 decoded
+    # The next step writes the newest token's KV and attends over all of it:
+    # prompt + generated positions.
+    assert seq.context_tokens == len(prompt) + seq.generated_tokens
+    steps = [DecodeStepSample.from_wire(s) for s in load["recent_steps"]]
+    assert steps and len(steps) <= 16
+    assert [s.step for s in steps] == list(range(steps[0].step, steps[0].step + len(steps)))
+    # One sequence, one more KV position each step.
+    assert all(s.batch == 1 and s.seconds > 0 for s in steps)
+    assert [s.context_tokens for s in steps] == [len(prompt) + s.step + 1 for s in steps]
+    await drain(queue)
+    batcher.release("r", "length")
+    assert batcher.load()["sequences"] == []

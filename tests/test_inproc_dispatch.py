@@ -446,7 +446,8 @@ async def test_closing_during_the_decode_stream_cancels_the_decode_node(conducto
 async def test_a_predicted_ttft_miss_is_429_with_retry_after(conductor_for, tmp_path):
     """Every prefill is priced 5 s (a profile with only c0) against a 7 s SLO:
     the first request fits, the second would wait 5 s behind it (5 + 5 = 10 s,
-    3 s over: Retry-After 3); once the first is done a third fits again."""
+    3.7 s over the admission limit of 90% of the SLO: Retry-After 4); once the
+    first is done a third fits again."""
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"coeffs": {"c0": 5.0}}))
     c = await conductor_for(prefill_profile=str(profile), ttft_slo_s=7.0)
@@ -455,7 +456,7 @@ async def test_a_predicted_ttft_miss_is_429_with_retry_after(conductor_for, tmp_
 
     error = await run(c.dispatcher.generate("req-b", PROMPT, sampling()), [])
     assert error is not None and error.status == 429 and error.code == "ttft_slo"
-    assert error.headers == {"Retry-After": "3"}
+    assert error.headers == {"Retry-After": "4"}
     assert "predicted TTFT 10s" in error.message
     assert [r.request_id for r in c.decode.reserves] == ["req-a"]   # no node saw req-b
     assert set(c.sched.inflight) == {"req-a"} and c.sched.rejections == {"ttft_slo": 1}
@@ -519,6 +520,8 @@ async def test_a_prefill_node_declared_dead_fails_its_requests_at_once(conductor
     error = await asyncio.wait_for(task, 5)
     assert error is not None and error.status == 502 and "prefill-0 dead" in error.message
     assert c.decode.cancels == ["req-dead"]
+    # No cancel to the dead node: unanswered, it would hold the 502 for CANCEL_TIMEOUT_S.
+    assert c.prefill.cancels == []
     assert c.dispatcher.traces["req-dead"].status == "error 502"
     assert c.dispatcher._prefill_calls == {} and c.dispatcher._abandoned == {}
 
@@ -563,7 +566,9 @@ async def test_heartbeats_carry_the_prefill_requests_the_node_holds(conductor_fo
     assert set(sched.prefill["prefill-0"].pending) == {"booked"}   # not delivered yet
     registry.heartbeat("prefill-0", {"queued_prefill_s": 0.25, "request_ids": ["booked"]},
                        time.monotonic())
-    assert sched.prefill["prefill-0"].pending == {}
+    # Named by the report: counted once, in the reported queue (the conductor
+    # prices it with its own estimate: queue_from_bookings).
+    assert [rid for rid, p in sched.prefill["prefill-0"].pending.items() if not p.in_report] == []
 
 
 async def test_a_request_refused_by_a_killed_prefill_node_is_served_by_another(conductor_for):
@@ -602,3 +607,46 @@ async def test_a_request_refused_by_a_killed_prefill_node_is_served_by_another(c
         c.assert_capacity_returned()
     finally:
         await server.close()
+
+
+async def test_a_connection_dropped_before_the_answer_is_retried_on_fresh_pages(conductor_for):
+    """A kept-alive connection to a node killed a moment ago is reset under the
+    request: the node may have started writing KV, so the retry on another
+    node releases the decode reservation (revoking its WRITE capability) and
+    reserves again instead of reusing the pages."""
+    from roles.scheduling.state import PendingPrefill
+
+    async def reset_after_reading(reader: asyncio.StreamReader,
+                                  writer: asyncio.StreamWriter) -> None:
+        await reader.read(1024)          # the request arrived: now die without answering
+        writer.transport.abort()
+
+    dropper = await asyncio.start_server(reset_after_reading, "127.0.0.1", 0)
+    port = dropper.sockets[0].getsockname()[1]
+    c = await conductor_for(prefill_url=f"http://127.0.0.1:{port}")
+    live = FakePrefill()
+    server = TestServer(live.app(), host="127.0.0.1")
+    await server.start_server()
+    try:
+        sched, registry = c.sched, c.cluster.registry
+        registry.register(NodeRegistration(
+            node_id="prefill-1", role="prefill", url=str(server.make_url("")).rstrip("/"),
+            capacity={"pages": PAGES, "block_size": BLOCK, "kv_bytes_per_token": 1024}),
+            time.monotonic())
+        sched.prefill["prefill-1"].pending["busy"] = PendingPrefill(0.5, time.monotonic())
+        events: list = []
+        error = await run(c.dispatcher.generate("req-l", PROMPT, sampling()), events)
+        assert error is None
+        assert [r.request_id for r in live.received] == ["req-l"]
+        assert not registry.get("prefill-0").alive
+        trace = c.dispatcher.traces["req-l"]
+        assert (trace.prefill_node, trace.prefill_attempts, trace.status) == ("prefill-1", 2, "ok")
+        # The first reservation was released, a second one made for the retry.
+        assert [r.request_id for r in c.decode.reserves] == ["req-l", "req-l"]
+        assert c.decode.cancels == ["req-l"]
+        del sched.prefill["prefill-1"].pending["busy"]
+        c.assert_capacity_returned()
+    finally:
+        await server.close()
+        dropper.close()
+        await dropper.wait_closed()

@@ -378,3 +378,29 @@ async def test_a_job_cancelled_while_queued_takes_nothing(open_worker, decode, s
         await asyncio.wait_for(submit, 10)
     assert_nothing_held(worker.shard, cached_blocks=0)
     assert not decode.kv[grant.pages].any()
+
+
+@pytest.mark.parametrize("prompt, fetch_to_block, computed", [
+    (PROMPT_B, None, 13),                 # A's 2 blocks held here: 13 tokens to compute
+    (PROMPT_A[:32], None, 16),            # held in full: the last token's block is recomputed
+    (tokens(50, seed=6), None, 50),       # nothing held
+    (tokens(50, seed=6), 2, 18),          # 2 blocks planned to come from a peer
+])
+async def test_the_queue_counts_the_tokens_it_will_compute(open_worker, decode, prompt,
+                                                           fetch_to_block, computed):
+    """The load report's queue (queued_prefill_s) divides queued tokens by the
+    measured rate of *computed* tokens, so the queue counts computed tokens:
+    counting whole prompts overstated a cache-hit-heavy node's queue."""
+    worker = await open_worker()
+    await prefill(worker, decode, "req-a", PROMPT_A)
+    svc = PrefillService(worker, CHUNK, max_queue=8, fetch_timeout_s=5.0)   # not started: it queues
+    grant = decode.reserve(len(prompt) + GREEDY.max_tokens)
+    fetch = None if fetch_to_block is None else FetchPlan("http://127.0.0.1:9", fetch_to_block)
+    submit = asyncio.ensure_future(svc.submit(spec_for(worker, "req-q", prompt, grant, fetch)))
+    await asyncio.sleep(0)
+    load = svc.load()
+    assert load["queued_tokens"] == computed
+    assert load["queued_prefill_s"] == pytest.approx(computed / svc.tokens_per_s)
+    await svc.close()
+    with pytest.raises(PrefillCancelled):
+        await submit

@@ -32,7 +32,8 @@ STATUSES = ("ok", "rejected", "error", "timeout", "not_sent")
 # Fields of the conductor's per-request trace (GET /admin/requests/{id}) we keep.
 SERVER_FIELDS = ("prefill_node", "decode_node", "policy", "cached_tokens", "local_hit_tokens",
                  "fetched_tokens", "prefill_queue_s", "prefix_load_s", "prefill_compute_s",
-                 "kv_transfer_wait_s", "ttft_s", "e2e_s")
+                 "kv_transfer_wait_s", "ttft_s", "e2e_s", "predicted_ttft_s", "predicted_tbt_s",
+                 "tbt_s", "predicted_queue_s", "predicted_prefill_s")
 
 
 @dataclass
@@ -75,6 +76,8 @@ class RequestResult:
     prefill_node: str = ""
     decode_node: str = ""
     error: str = ""
+    reject_s: Optional[float] = None       # send -> the rejection's answer
+    retry_after: str = ""                  # the rejection's Retry-After header
     server: dict[str, Any] = field(default_factory=dict)
 
     # ---- per-request metrics (the paper's and vLLM's definitions) ----------
@@ -190,6 +193,9 @@ class Replayer:
             if resp.status != 200:
                 res.status = "rejected" if resp.status == 429 else "error"
                 res.error = (await resp.text())[:300]
+                if res.status == "rejected":
+                    res.reject_s = time.monotonic() - t0
+                    res.retry_after = resp.headers.get("Retry-After", "")
                 return
             res.request_id = resp.headers.get("x-request-id", "")
             res.prefill_node = resp.headers.get("x-mooncaked-prefill-node", "")

@@ -9,6 +9,12 @@ Definitions (every number is recomputable from ``requests.json``):
   ones included) that finished with TTFT <= ttft_slo_s and TBT <= tbt_slo_ms;
   the paper's figure, also given at its three TBT SLOs (100/200/300 ms).
 - goodput: those effective requests per second of run time.
+- accepted: sent and not rejected (429); ``accepted_in_slo``: the share of
+  them that met both SLOs (what early rejection is meant to protect).
+- rejections: ``reject_s`` (send -> the 429) and how many carried Retry-After.
+- prediction error (servers exposing per-request traces): mean absolute
+  (predicted - conductor-measured) TTFT and TBT over ok requests; TTFT's
+  also as a share of the client-measured TTFT p50.
 - cache hit ratio: cached prompt tokens / prompt tokens of ok requests;
   ``prefill_compute_saved`` is the same share, read as prefill tokens not
   computed; ``prefill_compute_s`` is the server-measured prefill compute
@@ -109,8 +115,33 @@ def summarize(results: list[RequestResult], slo: Slo,
         "fetched_tokens": sum(s.get("fetched_tokens", 0) for s in server) if server else None,
         "server_traces": len(server),
     }
+    accepted = [r for r in sent if r.status != "rejected"]
+    rejected = [r for r in sent if r.status == "rejected"]
+    out["accepted"] = len(accepted)
+    out["accepted_in_slo"] = len(good) / len(accepted) if accepted else 0.0
+    out["reject_s"] = stats([r.reject_s for r in rejected if r.reject_s is not None])
+    out["rejected_with_retry_after"] = sum(1 for r in rejected if r.retry_after)
+    out["prediction"] = prediction_error(ok, out["ttft_s"].get("p50"))
     if theoretical_hit_ratio is not None:
         out["theoretical_hit_ratio"] = theoretical_hit_ratio
+    return out
+
+
+def prediction_error(ok: list[RequestResult], ttft_p50_s: Optional[float]) -> dict[str, Any]:
+    """Mean absolute predicted-vs-actual TTFT/TBT from the server's traces."""
+    ttft = [(r.server["predicted_ttft_s"], r.server["ttft_s"]) for r in ok
+            if "predicted_ttft_s" in r.server and "ttft_s" in r.server]
+    tbt = [(r.server["predicted_tbt_s"], r.server["tbt_s"]) for r in ok
+           if r.server.get("tbt_s") and "predicted_tbt_s" in r.server]
+    out: dict[str, Any] = {"n": len(ttft)}
+    if ttft:
+        abs_err = sum(abs(p - a) for p, a in ttft) / len(ttft)
+        out["ttft_mean_abs_error_s"] = abs_err
+        out["ttft_mean_error_s"] = sum(p - a for p, a in ttft) / len(ttft)
+        out["ttft_mean_abs_error_of_p50"] = abs_err / ttft_p50_s if ttft_p50_s else None
+    if tbt:
+        out["tbt_mean_abs_error_s"] = sum(abs(p - a) for p, a in tbt) / len(tbt)
+        out["tbt_mean_error_s"] = sum(p - a for p, a in tbt) / len(tbt)
     return out
 
 

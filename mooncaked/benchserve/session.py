@@ -83,4 +83,10 @@ def headline(summary: dict[str, Any]) -> dict[str, Any]:
             "effective_request_capacity": g("effective_request_capacity"),
             "goodput_rps": g("goodput_rps"), "cache_hit_ratio": g("cache_hit_ratio"),
             "theoretical_hit_ratio": g("theoretical_hit_ratio"),
-            "prefill_compute_s": g("prefill_compute_s")}
+            "prefill_compute_s": g("prefill_compute_s"),
+            "accepted": g("accepted"), "accepted_in_slo": g("accepted_in_slo"),
+            "itl_p50_s": g("itl_s", "p50"), "itl_p90_s": g("itl_s", "p90"),
+            "reject_p90_s": g("reject_s", "p90"),
+            "rejected_with_retry_after": g("rejected_with_retry_after"),
+            "ttft_mean_abs_error_s": g("prediction", "ttft_mean_abs_error_s"),
+            "ttft_mean_abs_error_of_p50": g("prediction", "ttft_mean_abs_error_of_p50")}

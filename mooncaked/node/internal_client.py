@@ -51,14 +51,18 @@ class InternalCallError(Exception):
     (for an error status: the node's own message)."""
 
     def __init__(self, target: str, what: str, detail: str, status: int | None = None,
-                 refused: bool = False) -> None:
+                 refused: bool = False, lost: bool = False) -> None:
         self.target = target
         self.what = what
         self.detail = detail
         self.status = status
         # The connection itself could not be made (refused, no route): the
-        # node is down, not merely slow.
+        # node is down, not merely slow, and nothing of the call reached it.
         self.refused = refused
+        # The connection broke (reset, closed) before any answer came back:
+        # typically a kept-alive connection to a node that was just killed.
+        # The node may have received and started the call.
+        self.lost = lost
         where = f" (HTTP {status})" if status is not None else ""
         super().__init__(f"{what} failed{where}: {detail}")
 
@@ -109,16 +113,21 @@ class InternalClient:
                         check_status: bool = True) -> AsyncIterator[aiohttp.ClientResponse]:
         """One request; every failure leaves as InternalCallError."""
         data = orjson.dumps(message.to_wire()) if message is not None else None
+        answered = False
         try:
             async with self.session.request(method, url, data=data, headers=self.headers,
                                             timeout=timeout) as resp:
+                answered = True
                 if check_status and not 200 <= resp.status < 300:
                     raise InternalCallError(url, what, _remote_message(await resp.read()),
                                             resp.status)
                 yield resp
         except _TRANSPORT_ERRORS as exc:
+            refused = isinstance(exc, aiohttp.ClientConnectorError)
+            lost = not refused and not answered and isinstance(
+                exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError))
             raise InternalCallError(url, what, f"{type(exc).__name__}: {exc}",
-                                    refused=isinstance(exc, aiohttp.ClientConnectorError)) from None
+                                    refused=refused, lost=lost) from None
 
     def _decode(self, url: str, what: str, decode: Callable[[Any], T], body: bytes) -> T:
         try:

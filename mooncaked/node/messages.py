@@ -33,7 +33,9 @@ Routes (``Route``; POST unless marked GET), request -> reply:
                  /internal/cache/events        CacheEvents        -> CacheEventsAck
 
 Node capacity and load reports stay open JSON objects: each role adds its
-own keys and the conductor reads the few it knows, with defaults.  So does
+own keys and the conductor reads the few it knows, with defaults; lists of
+records in them are typed (a decode node's ``sequences``: ``DecodeSeqLoad``,
+``recent_steps``: ``DecodeStepSample``).  So does
 the transfer descriptor in a registration: the conductor only passes it on,
 and the peer that resolves a segment decodes it (``SegmentDescriptor``,
 rdma's own typed descriptor, re-exported here).
@@ -625,6 +627,29 @@ class Heartbeat(Message):
     WHERE = "heartbeat"
     node_id: str = wire(name)
     load: dict[str, Any] = wire(json_object, factory=dict)
+
+
+@dataclass(frozen=True)
+class DecodeSeqLoad(Message):
+    """One sequence in a decode node's load report (heartbeat ``load.sequences``):
+    running or queued to join the batch, with the KV positions it holds and
+    how many tokens it may still generate (max_tokens minus generated)."""
+    WHERE = "load.sequences[]"
+    request_id: str = wire(name)
+    context_tokens: int = wire(integer())
+    generated_tokens: int = wire(integer())
+    max_tokens: int = wire(integer(1))
+
+
+@dataclass(frozen=True)
+class DecodeStepSample(Message):
+    """One measured decode step (heartbeat ``load.recent_steps``): ``step`` is
+    the node's step counter, so a receiver can skip steps it has seen."""
+    WHERE = "load.recent_steps[]"
+    step: int = wire(integer())
+    batch: int = wire(integer(1))
+    context_tokens: int = wire(integer())
+    seconds: float = wire(number)
 
 
 @dataclass(frozen=True)

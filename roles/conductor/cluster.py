@@ -22,11 +22,12 @@ from aiohttp import web
 from mooncaked.node.errors import ApiError
 from mooncaked.node.internal_client import read_message, reply
 from mooncaked.node.membership import NodeRecord, NodeRegistry
-from mooncaked.node.messages import CacheEvents, CacheEventsAck, CacheSnapshot, Ok, Route
+from mooncaked.node.messages import (CacheEvents, CacheEventsAck, CacheSnapshot, DecodeSeqLoad,
+                                     DecodeStepSample, MessageError, Ok, Route)
 from roles.scheduling.estimators import (DecodeEstimator, PipelinePrefillEstimator,
                                          PolynomialPrefillEstimator, TransferEstimator)
 from roles.scheduling.scheduler import Scheduler, SchedulerConfig
-from roles.scheduling.state import NodeReport
+from roles.scheduling.state import DecodeStep, NodeReport, RunningSeq
 
 log = logging.getLogger("mooncaked.conductor.cluster")
 
@@ -37,6 +38,12 @@ log = logging.getLogger("mooncaked.conductor.cluster")
 DEFAULT_PREFILL_COEFFS = {"c0": 0.01, "n": 2.5e-4, "n2": 1.7e-8, "np": 1.7e-8}
 DEFAULT_DECODE = (0.01, 0.002, 1.0e-7)   # c0, per sequence, per context token
 DEFAULT_TRANSFER_BPS = 1.0e9              # loopback TCP; measured transfers update it
+DECODE_REFIT_EVERY = 16                   # measured decode steps between TBT refits
+# Prefills the online fit keeps: recent enough to follow a machine whose
+# speed changes (cores shared with other work), enough for 5 terms.
+PREFILL_FIT_WINDOW = 96
+TTFT_BIAS_ALPHA = 0.1                     # learn the TTFT the estimators miss (RPCs, shared cores)
+SLO_ADMIT_FRACTION = 0.9                  # admit predictions within 90% of each SLO
 
 
 def load_prefill_coeffs(path: str) -> dict[str, float]:
@@ -58,10 +65,13 @@ class ClusterView:
         self.scheduler = Scheduler(
             SchedulerConfig(policy=section.policy, ttft_slo_s=section.ttft_slo_s,
                             tbt_slo_s=section.tbt_slo_ms / 1000.0,
-                            policy_params=_policy_params(section)),
-            PolynomialPrefillEstimator(load_prefill_coeffs(section.prefill_profile), refit_every=8),
+                            policy_params=_policy_params(section),
+                            ttft_bias_alpha=TTFT_BIAS_ALPHA,
+                            slo_admit_fraction=SLO_ADMIT_FRACTION, queue_from_bookings=True),
+            PolynomialPrefillEstimator(load_prefill_coeffs(section.prefill_profile), refit_every=8,
+                                       window=PREFILL_FIT_WINDOW),
             TransferEstimator(DEFAULT_TRANSFER_BPS),
-            DecodeEstimator(*DEFAULT_DECODE))
+            DecodeEstimator(*DEFAULT_DECODE, refit_every=DECODE_REFIT_EVERY))
         self.block_size: int | None = None
         self.epochs: dict[str, int] = {}
         # CPP groups: group -> {stage: node_id}; a complete group is one
@@ -115,7 +125,9 @@ class ClusterView:
                 at=time.monotonic(), queued_prefill_s=load.get("queued_prefill_s"),
                 batch_size=load.get("batch_size"), context_tokens=load.get("context_tokens"),
                 free_pages=None, recent_tbt_s=load.get("recent_tbt_s") or None,
-                prefill_requests=_request_ids(load.get("request_ids"))), time.monotonic())
+                prefill_requests=_request_ids(load.get("request_ids")),
+                decode_sequences=_decode_sequences(load.get("sequences")),
+                decode_steps=_decode_steps(load.get("recent_steps"))), time.monotonic())
 
     def _join_group(self, record: NodeRecord) -> None:
         cap = record.capacity
@@ -220,3 +232,28 @@ def _request_ids(value: object) -> frozenset[str] | None:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         return None
     return frozenset(value)
+
+
+def _decode_sequences(value: object) -> dict[str, RunningSeq] | None:
+    """A decode node's reported sequences (heartbeat load), None if absent or malformed."""
+    if not isinstance(value, list):
+        return None
+    try:
+        seqs = [DecodeSeqLoad.from_wire(v) for v in value]
+    except MessageError as exc:
+        log.warning("ignoring a malformed decode load report: %s", exc)
+        return None
+    return {s.request_id: RunningSeq(s.context_tokens, max(0, s.max_tokens - s.generated_tokens))
+            for s in seqs}
+
+
+def _decode_steps(value: object) -> tuple[DecodeStep, ...]:
+    """A decode node's reported recent steps (heartbeat load); () if absent or malformed."""
+    if not isinstance(value, list):
+        return ()
+    try:
+        steps = [DecodeStepSample.from_wire(v) for v in value]
+    except MessageError as exc:
+        log.warning("ignoring malformed decode step samples: %s", exc)
+        return ()
+    return tuple(DecodeStep(s.step, s.batch, s.context_tokens, s.seconds) for s in steps)

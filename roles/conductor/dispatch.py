@@ -46,14 +46,21 @@ T = TypeVar("T")
 # node that stopped answering (no FIN on a partition) cannot hold a request.
 PREFILL_DEADLINE_FACTOR = 3.0
 PREFILL_DEADLINE_MARGIN_S = 10.0
-# A prefill node that refuses the connection has started nothing, so the
-# request is scheduled again (the refusing node is out of the cluster by then):
-# at most this many prefill nodes are tried before the client gets the 502.
+# A prefill node that refuses the connection, or drops it before answering,
+# is taken out of the cluster and the request is scheduled again on the nodes
+# that remain: at most this many prefill nodes are tried before the 502.
 MAX_PREFILL_ATTEMPTS = 3
 
 
 class PrefillRefused(ApiError):
-    """The prefill node refused the connection: no byte of the request reached it."""
+    """The prefill node refused the connection (``maybe_started`` False: no
+    byte of the request reached it) or dropped it before answering
+    (``maybe_started`` True: it may have begun writing KV into the decode
+    reservation, so a retry needs fresh pages)."""
+
+    def __init__(self, status: int, message: str, maybe_started: bool) -> None:
+        super().__init__(status, message)
+        self.maybe_started = maybe_started
 
 
 @dataclass
@@ -70,6 +77,13 @@ class RequestTrace:
     transfer_planned_from: str | None = None
     fetch_failed: str = ""
     predicted_ttft_s: float = 0.0
+    # The scheduler's predicted TBT (decode step at the load when the request
+    # joins) and the measured one: mean interval between decoded tokens.
+    predicted_tbt_s: float = 0.0
+    tbt_s: float = 0.0
+    # The predicted TTFT's parts (the rest of it is the learned bias).
+    predicted_queue_s: float = 0.0
+    predicted_prefill_s: float = 0.0
     schedule_s: float = 0.0
     reserve_s: float = 0.0
     prefill_queue_s: float = 0.0
@@ -153,20 +167,25 @@ class Dispatcher:
             return await self.client.call(url + Route.PREFILL, spec, PrefillReply.from_wire,
                                           what="prefill", timeout=deadline_s)
         except InternalCallError as exc:
-            if exc.refused and self.cluster.registry.declare_dead(node_id):
-                # A killed node refuses connections long before its heartbeats
-                # time out: stop scheduling onto it now.
-                log.warning("prefill node %s refused a connection: taken out of the cluster "
-                            "until it registers again", node_id)
+            if (exc.refused or exc.lost) and self.cluster.registry.declare_dead(node_id):
+                # A killed node refuses connections (or resets the kept-alive
+                # one) long before its heartbeats time out: stop scheduling
+                # onto it now.  A live node that merely dropped a connection
+                # is back at its next heartbeat (it registers again).
+                log.warning("prefill node %s %s: taken out of the cluster until it registers "
+                            "again", node_id, "refused a connection" if exc.refused
+                            else "dropped the connection before answering")
             error = exc.to_api_error()
-            if exc.refused:
-                raise PrefillRefused(error.status, error.message) from None
+            if exc.refused or exc.lost:
+                raise PrefillRefused(error.status, error.message, maybe_started=exc.lost) from None
             raise error from None
 
     def _note_decision(self, trace: RequestTrace, decision) -> NodeRecord | None:
         """Record the plan in the trace; the node to pull the prefix from, if any."""
         trace.prefill_node, trace.decode_node = decision.prefill_node, decision.decode_node
         trace.policy, trace.predicted_ttft_s = decision.policy, decision.predicted_ttft_s
+        trace.predicted_tbt_s = decision.predicted_tbt_s
+        trace.predicted_queue_s, trace.predicted_prefill_s = decision.t_queue, decision.t_prefill
         source = self.cluster.registry.get(decision.transfer.source) if decision.transfer else None
         trace.transfer_planned_from = source.node_id if source else None
         return source
@@ -291,13 +310,19 @@ class Dispatcher:
                         prefill.node_id, prefill.url, spec,
                         self.prefill_deadline_s(decision.predicted_ttft_s))
                     break
-                except PrefillRefused:
-                    # Nothing reached that node (it was killed and not yet
-                    # swept from the cluster): the request is scheduled afresh
-                    # on the nodes that remain, keeping its decode pages when
-                    # the same decode node is chosen again.
+                except PrefillRefused as exc:
+                    # The node was killed and not yet swept from the cluster:
+                    # the request is scheduled afresh on the nodes that remain.
+                    # When nothing reached it, the decode pages are kept if the
+                    # same decode node is chosen again; when it may have started,
+                    # they are released first: release revokes the WRITE
+                    # capability, so a late WRITE of the dead node can land in
+                    # none of the pages reserved next.
                     if attempt == MAX_PREFILL_ATTEMPTS:
                         raise
+                    if exc.maybe_started:
+                        await self._cancel(decode.url + Route.DECODE_CANCEL, request_id)
+                        reserved = False
                     now = time.monotonic()
                     sched.on_prefill_finished(decision.prefill_node, request_id, now, 0.0)
                     sched.on_decode_finished(decision.decode_node, request_id, now)
@@ -308,7 +333,7 @@ class Dispatcher:
                     booked = True
                     log.warning("%s: prefill node %s refused the connection; rescheduled on %s",
                                 request_id, decision.prefill_node, retry.prefill_node)
-                    if retry.decode_node != decision.decode_node:
+                    if reserved and retry.decode_node != decision.decode_node:
                         await self._cancel(decode.url + Route.DECODE_CANCEL, request_id)
                         reserved = False
                     decision = retry
@@ -353,7 +378,11 @@ class Dispatcher:
             if not prefill_done:
                 if booked:
                     sched.on_prefill_finished(decision.prefill_node, request_id, now, 0.0)
-                if prefill is not None and reserved:
+                # A node membership declared dead (partitioned: no FIN) would
+                # only hold the client's error for CANCEL_TIMEOUT_S; its own
+                # deadlines free what it held (its late WRITEs are refused).
+                record = self.cluster.registry.get(prefill.node_id) if prefill else None
+                if prefill is not None and reserved and record is not None and record.alive:
                     await self._cancel(prefill.url + Route.PREFILL_CANCEL, request_id)
             if reserved and not stream_done and decode is not None:
                 await self._cancel(decode.url + Route.DECODE_CANCEL, request_id)
@@ -361,6 +390,9 @@ class Dispatcher:
                 sched.on_decode_finished(decision.decode_node, request_id, now)
             trace.e2e_s = time.perf_counter() - t0
             trace.completion_tokens = len(trace.token_times)
+            times = trace.token_times
+            if len(times) > 1:
+                trace.tbt_s = (times[-1] - times[0]) / (len(times) - 1)
             self.metrics.finished(trace)
             self._remember(trace)
             log.info("%s %s: prefill %s (cached %d of %d, %s), decode %s, TTFT %.3fs "
@@ -391,7 +423,8 @@ class Dispatcher:
         trace.cpp = result.cpp.to_wire() if result.cpp is not None else None
         sched = self.cluster.scheduler
         sched.on_prefill_finished(decision.prefill_node, trace.request_id, time.monotonic(),
-                                  trace.prefill_compute_s, actual_prefix_tokens=trace.cached_tokens)
+                                  trace.prefill_compute_s, actual_prefix_tokens=trace.cached_tokens,
+                                  actual_queue_s=trace.prefill_queue_s)
         if source is not None and trace.fetched_tokens and trace.prefix_load_s > 0:
             nbytes = trace.fetched_tokens * sched.config.kv_bytes_per_token
             sched.on_transfer_finished(source.node_id, nbytes, trace.prefix_load_s)

@@ -38,12 +38,32 @@ class ConductorMetrics:
         self.prompt_tokens = Counter(f"{p}:prompt_tokens", "Prompt tokens", registry=registry)
         self.generation_tokens = Counter(f"{p}:generation_tokens", "Generated tokens", registry=registry)
         self.running = Gauge(f"{p}:num_requests_running", "Requests in flight", registry=registry)
+        # Predicted vs actual, per request: what the scheduler's early
+        # rejection stands on (predicted TBT: the decode step at the load when
+        # the request joins; actual: mean interval between its decoded tokens).
+        self.predicted_ttft = Histogram(f"{p}:predicted_time_to_first_token_seconds",
+                                        "Scheduler-predicted TTFT of requests that got a first token",
+                                        buckets=_LATENCY_BUCKETS, registry=registry)
+        self.ttft_error = Histogram(f"{p}:ttft_prediction_abs_error_seconds",
+                                    "|predicted - actual| TTFT per request",
+                                    buckets=_LATENCY_BUCKETS, registry=registry)
+        self.predicted_tbt = Histogram(f"{p}:predicted_time_per_output_token_seconds",
+                                       "Scheduler-predicted TBT of requests that decoded",
+                                       buckets=_TBT_BUCKETS, registry=registry)
+        self.request_tbt = Histogram(f"{p}:request_time_per_output_token_seconds",
+                                     "Measured TBT per request (mean decoded-token interval)",
+                                     buckets=_TBT_BUCKETS, registry=registry)
+        self.tbt_error = Histogram(f"{p}:tbt_prediction_abs_error_seconds",
+                                   "|predicted - actual| TBT per request",
+                                   buckets=_TBT_BUCKETS, registry=registry)
 
     def rejected(self, reason: str) -> None:
         self.rejections.labels(reason).inc()
 
     def first_token(self, trace) -> None:
         self.ttft.observe(trace.ttft_s)
+        self.predicted_ttft.observe(trace.predicted_ttft_s)
+        self.ttft_error.observe(abs(trace.predicted_ttft_s - trace.ttft_s))
         self.queue.observe(trace.prefill_queue_s)
         self.prefix_queries.inc(trace.prompt_tokens)
         self.prefix_hits.inc(trace.cached_tokens)
@@ -60,6 +80,10 @@ class ConductorMetrics:
         times = trace.token_times
         for a, b in zip(times, times[1:]):
             self.tbt.observe(b - a)
+        if len(times) > 1 and trace.status == "ok":
+            self.predicted_tbt.observe(trace.predicted_tbt_s)
+            self.request_tbt.observe(trace.tbt_s)
+            self.tbt_error.observe(abs(trace.predicted_tbt_s - trace.tbt_s))
 
 
 class NodeLoadCollector(Collector):

@@ -36,11 +36,16 @@ import torch
 
 from model.runner import DecodeSeq
 from model.sampling import SamplingParams, sample
+from mooncaked.node.messages import DecodeSeqLoad, DecodeStepSample
 from mooncaked.node.tasks import cancel_and_wait
 from rdma.guard import PageGrants
 from roles.worker_node import WorkerNode
 
 log = logging.getLogger("mooncaked.decode")
+
+# Measured steps a load report carries: a heartbeat (1 s) spans tens of steps;
+# the conductor fits its TBT model on these.
+REPORTED_STEPS = 16
 
 
 @dataclass
@@ -95,6 +100,7 @@ class DecodeBatcher:
         self._task: asyncio.Task | None = None
         self._sweeper: asyncio.Task | None = None
         self.step_times: deque[float] = deque(maxlen=64)
+        self.step_samples: deque[DecodeStepSample] = deque(maxlen=REPORTED_STEPS)
         self.tokens_out = 0
         self.steps = 0
 
@@ -185,15 +191,22 @@ class DecodeBatcher:
         self._sweeper = asyncio.create_task(self._sweep(), name="reservation-sweeper")
 
     async def _loop(self) -> None:
+        # End of the previous step while the batch stayed busy: a step's time
+        # is measured from there, so what the loop does between steps (tokens
+        # out, KV landing, other handlers) counts, as it does in the spacing
+        # of a request's tokens.  None after an idle wait.
+        last_end: float | None = None
         while True:
             while self.waiting and len(self.running) < self.max_batch:
                 self.running.append(self.waiting.popleft())
             if not self.running:
+                last_end = None
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             batch = list(self.running)
             seqs = [DecodeSeq(s.tokens[-1], s.position, s.pages) for s in batch]
+            context = sum(s.position + 1 for s in batch)
             t0 = time.perf_counter()
             self._stepping = frozenset(s.request_id for s in batch)
             try:
@@ -201,7 +214,11 @@ class DecodeBatcher:
             finally:
                 self._stepping = frozenset()
                 self._free_fenced()
-            self.step_times.append(time.perf_counter() - t0)
+            end = time.perf_counter()
+            seconds = end - (t0 if last_end is None else last_end)
+            last_end = end
+            self.step_times.append(seconds)
+            self.step_samples.append(DecodeStepSample(self.steps, len(batch), context, seconds))
             self.steps += 1
             for seq, row in zip(batch, logits):
                 if seq.finished is not None or seq.request_id not in self.seqs:
@@ -251,7 +268,18 @@ class DecodeBatcher:
                 "fenced_pages": sum(len(fence.pages) for fence in self._fenced),
                 "recent_tbt_s": times[len(times) // 2] if times else 0.0,
                 "context_tokens": sum(s.position + 1 for s in self.running),
-                "tokens_out": self.tokens_out, "steps": self.steps}
+                "tokens_out": self.tokens_out, "steps": self.steps,
+                # What the conductor predicts this node's load at a future
+                # instant from: every started sequence and recent steps.
+                "sequences": [self._seq_load(s).to_wire()
+                              for s in (*self.running, *self.waiting)],
+                "recent_steps": [st.to_wire() for st in self.step_samples]}
+
+    @staticmethod
+    def _seq_load(seq: Sequence) -> DecodeSeqLoad:
+        assert seq.sampling is not None  # running and waiting sequences have started
+        return DecodeSeqLoad(seq.request_id, seq.position + 1, len(seq.tokens),
+                             seq.sampling.max_tokens)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:

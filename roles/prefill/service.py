@@ -89,7 +89,7 @@ class PrefillService:
                 raise ValueError("this node is a pipeline stage: it only serves CPP requests")
             job = PrefillJob(spec, self.worker, self.chunk_size, self.fetch_timeout_s,
                              self.prefix_cache)
-        item = _Queued(job, len(spec.token_ids), time.perf_counter())
+        item = _Queued(job, self._tokens_to_compute(spec), time.perf_counter())
         self.jobs[spec.request_id] = job
         self.queued_tokens += item.tokens
         self.queue.append(item)
@@ -98,6 +98,22 @@ class PrefillService:
             return await asyncio.shield(item.done)
         finally:
             self.jobs.pop(spec.request_id, None)
+
+    def _tokens_to_compute(self, spec: PrefillRequest) -> int:
+        """What a request adds to the queue, in the unit ``tokens_per_s``
+        measures (computed tokens): the prompt less the prefix it will reuse,
+        held here or planned to be pulled from a peer.  The block holding the
+        last token is always recomputed (PrefillJob), so it always counts.
+        Counting whole prompts made a node full of cache hits report a queue
+        many times longer than its real one."""
+        n = len(spec.token_ids)
+        if not self.prefix_cache or spec.stage_urls:
+            return n
+        held = self.worker.shard.match_prefix(spec.block_keys)
+        planned = spec.fetch.to_block if spec.fetch is not None else 0
+        bs = self.worker.layout.block_size
+        reused_blocks = min(max(held, planned), (n - 1) // bs)
+        return n - reused_blocks * bs
 
     def cancel(self, request_id: str) -> bool:
         job = self.jobs.get(request_id)

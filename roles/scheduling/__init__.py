@@ -5,18 +5,20 @@ with a simulated clock; nothing in this package reads a clock or does I/O.
 """
 from .estimators import (DecodeEstimator, FlopsPrefillEstimator, ModelShape,
                          PolynomialPrefillEstimator, PrefillEstimator, TransferEstimator,
-                         fit_polynomial)
+                         fit_decode, fit_polynomial)
 from .index import GlobalCacheIndex
 from .policies import POLICIES, PlanContext, Policy
 from .registry import make_policy
 from .scheduler import Scheduler, SchedulerConfig
-from .state import (Decision, DecodeNodeState, NodeReport, PrefillNodeState, PrefillPlan,
-                    Rejection, ScheduleRequest, TransferPlan)
+from .state import (BookedJoin, Decision, DecodeLoad, DecodeNodeState, DecodeStep, NodeReport,
+                    PrefillNodeState, PrefillPlan, Rejection, RunningSeq, ScheduleRequest,
+                    TransferPlan)
 
 __all__ = [
     "DecodeEstimator", "FlopsPrefillEstimator", "ModelShape", "PolynomialPrefillEstimator",
     "PrefillEstimator", "TransferEstimator", "fit_polynomial", "GlobalCacheIndex", "POLICIES",
     "PlanContext", "Policy", "make_policy", "Scheduler", "SchedulerConfig", "Decision",
     "DecodeNodeState", "NodeReport", "PrefillNodeState", "PrefillPlan", "Rejection",
-    "ScheduleRequest", "TransferPlan",
+    "ScheduleRequest", "TransferPlan", "BookedJoin", "DecodeLoad", "DecodeStep", "RunningSeq",
+    "fit_decode",
 ]

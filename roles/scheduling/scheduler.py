@@ -14,11 +14,16 @@ from .estimators import DecodeEstimator, PrefillEstimator, TransferEstimator
 from .index import GlobalCacheIndex
 from .policies import PlanContext, Policy
 from .registry import make_policy
-from .state import (Decision, DecodeNodeState, NodeReport, PendingPrefill, PrefillNodeState,
-                    Rejection, ScheduleRequest)
+from .state import (BookedJoin, Decision, DecodeLoad, DecodeNodeState, NodeReport,
+                    PendingPrefill, PrefillNodeState, Rejection, ScheduleRequest)
 
 # Recent TTFT prediction errors kept for status pages (totals are running sums).
 RECENT_TTFT_ERRORS = 1024
+# Steps counted between two instants are (t1 - t0) / step; this keeps a
+# whole number of steps (2.5 s at 0.1 s) from rounding down to one fewer.
+_STEP_EPS = 1e-9
+# Rounds of "project the load at this step time, predict the step time".
+DECODE_FIXED_POINT_ROUNDS = 4
 
 
 @dataclass
@@ -33,17 +38,44 @@ class SchedulerConfig:
     min_retry_after_s: float = 1.0
     max_retry_after_s: float = 60.0
     kv_bytes_per_token: int = 327_680  # LLaMA3-70B bf16: 80 * 2 * 1024 * 2
+    # > 0: learn the TTFT the estimators cannot see (RPCs, the wait for the
+    # decode reservation, cores shared with other processes) as an EWMA of
+    # measured minus predicted TTFT, added to every prediction (never < 0).
+    # 0: predictions are the estimators' alone (the simulator's default).
+    ttft_bias_alpha: float = 0.0
+    # The learned bias halves every this many seconds without a new sample,
+    # so that rejecting everything (no samples) cannot keep it up forever.
+    ttft_bias_half_life_s: float = 10.0
+    # Admit only predictions within this share of each SLO: on shared cores a
+    # prediction just under the SLO is a coin flip.
+    slo_admit_fraction: float = 1.0
+    # How a prefill report that names its requests sets the queue: False, the
+    # node's own seconds figure; True, the sum of this scheduler's estimates
+    # of the named requests (fitted on measured prefills, so with a fixed
+    # per-request cost a tokens/s figure lacks), the node's figure only when
+    # it names requests this scheduler did not book (another conductor's).
+    queue_from_bookings: bool = False
+    # The baseline of the paper's early-rejection experiment: predict TBT from
+    # the load decode nodes last reported (plus this request), ignoring work
+    # accepted but still in prefill. Admission then lags the decode load by a
+    # prefill and oscillates; off = prediction at join time.
+    reject_on_current_load: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str) or not self.policy:
             raise ValueError("policy must be a non-empty string")
         if not isinstance(self.policy_params, dict):
             raise ValueError("policy_params must be a dict")
-        for f in ("ttft_slo_s", "tbt_slo_s", "min_retry_after_s", "max_retry_after_s"):
+        for f in ("ttft_slo_s", "tbt_slo_s", "min_retry_after_s", "max_retry_after_s",
+                  "ttft_bias_half_life_s"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f} must be > 0")
         if self.kv_bytes_per_token <= 0:
             raise ValueError("kv_bytes_per_token must be > 0")
+        if not 0 <= self.ttft_bias_alpha <= 1:
+            raise ValueError("ttft_bias_alpha must be in [0, 1]")
+        if not 0 < self.slo_admit_fraction <= 1:
+            raise ValueError("slo_admit_fraction must be in (0, 1]")
 
 
 @dataclass
@@ -51,6 +83,7 @@ class _Inflight:
     decision: Decision
     req: ScheduleRequest
     scheduled_at: float
+    ttft_bias_s: float = 0.0  # included in decision.predicted_ttft_s
 
 
 class Scheduler:
@@ -78,6 +111,9 @@ class Scheduler:
         self.rejections: dict[str, int] = {}
         # Prefill instances with their own estimator (CPP groups).
         self.node_estimators: dict[str, PrefillEstimator] = {}
+        # Learned TTFT the estimators miss (SchedulerConfig.ttft_bias_alpha).
+        self._ttft_bias_s = 0.0
+        self._ttft_bias_at = 0.0
 
     # ---- membership ---------------------------------------------------
     def add_prefill_node(self, node: str, cache_capacity_blocks: int = 0) -> None:
@@ -137,14 +173,97 @@ class Scheduler:
             node_prefill_s=lambda node, n, p: self.estimator_for(node).seconds(n, p),
             transferable=lambda node: not self.prefill[node].group_members)
 
-    def select_decode(self, req: ScheduleRequest) -> tuple[DecodeNodeState | None, float]:
-        """Least predicted TBT among live decode nodes with pages for the request."""
+    def step_seconds(self, node: str) -> float:
+        """The decode node's step time as last measured (its reported TBT),
+        else the estimator's for its current batch: the pace at which its
+        running sequences are expected to finish."""
+        d = self.decode[node]
+        if d.recent_tbt_s > 0:
+            return d.recent_tbt_s
+        return self.decode_est.seconds(max(1, d.batch_size), d.context_tokens) or 1e-3
+
+    def predict_decode_load(self, node: str, at: float,
+                            step_s: float | None = None) -> DecodeLoad:
+        """Batch size and context tokens of a decode node at time `at`.
+
+        Every sequence decodes one token per step of `step_s` seconds
+        (default `step_seconds`). A sequence the node reported (as of
+        `running_at`) is still in the batch at `at` if it has tokens left
+        to generate by then; a booked request not in the report joins at
+        its predicted join time, or at the report's time if that report
+        came later and did not name it (it is late, not gone), and stays
+        for its `output_tokens - 1` decode steps. Context grows by one
+        token per step.
+        """
+        d = self.decode[node]
+        step = step_s if step_s is not None else self.step_seconds(node)
+        step = max(step, 1e-9)
+        batch = context = 0
+        running = d.running or {}
+        for seq in running.values():
+            steps = max(0.0, at - d.running_at) / step + _STEP_EPS
+            if seq.remaining_tokens > steps:
+                batch += 1
+                context += seq.context_tokens + int(steps)
+        for rid, b in d.booked.items():
+            if rid in running:
+                continue
+            join = max(b.join_at, d.running_at) if d.running is not None else b.join_at
+            if join > at:
+                continue
+            steps = (at - join) / step + _STEP_EPS
+            if b.output_tokens - 1 > steps:
+                batch += 1
+                context += b.prompt_tokens + int(steps)
+        return DecodeLoad(batch, context)
+
+    def current_decode_load(self, node: str) -> DecodeLoad:
+        """The decode node's load as it last reported it, less the sequences
+        finished since: what "reject on current load" sees. Requests booked
+        to it and not in a report yet are not counted."""
+        running = self.decode[node].running or {}
+        return DecodeLoad(len(running), sum(s.context_tokens for s in running.values()))
+
+    def _tbt_at_join(self, node: str, at: float, prompt_tokens: int) -> float:
+        """Predicted step time once a request of `prompt_tokens` joins `node` at `at`.
+
+        Sequences are projected at the measured step time, but a batch that
+        grows also slows down and so keeps its sequences longer: the step
+        time is raised to the predicted one and the load projected again
+        until the two agree (monotone, so a few rounds reach the fixed point).
+        """
+        step = self.step_seconds(node)
+        tbt = step
+        for _ in range(DECODE_FIXED_POINT_ROUNDS):
+            load = self.predict_decode_load(node, at, step)
+            tbt = self.decode_est.seconds(load.batch + 1, load.context_tokens + prompt_tokens + 1)
+            if tbt <= step * 1.01:
+                break
+            step = tbt
+        return tbt
+
+    def select_decode(self, req: ScheduleRequest, now: float | None = None,
+                      join_in_s: float = 0.0) -> tuple[DecodeNodeState | None, float]:
+        """Least predicted TBT among live decode nodes with pages for the request.
+
+        With `now`, TBT is predicted from the load each node will have when
+        the request joins it, `join_in_s` (its predicted TTFT) from now; the
+        paper's prediction-based early rejection. Without, from the current
+        batch plus this request.
+        """
         tokens = req.prompt_tokens + req.expected_output_tokens
         best, best_tbt = None, math.inf
         for d in self.decode.values():
             if not d.alive or d.free_pages < d.pages_for(tokens):
                 continue
-            tbt = self.decode_est.seconds(d.batch_size + 1, d.context_tokens + tokens)
+            if now is None:
+                tbt = self.decode_est.seconds(d.batch_size + 1, d.context_tokens + tokens)
+            elif self.config.reject_on_current_load:
+                load = self.current_decode_load(d.node_id)
+                tbt = self.decode_est.seconds(load.batch + 1,
+                                              load.context_tokens + req.prompt_tokens + 1)
+            else:
+                tbt = self._tbt_at_join(d.node_id, now + join_in_s, req.prompt_tokens)
             if tbt < best_tbt:
                 best, best_tbt = d, tbt
         return best, best_tbt
@@ -162,18 +281,22 @@ class Scheduler:
         if ctx is None:
             return self._reject(req, "no_prefill_node", math.inf, math.inf, 1.0)
         plan = self.policy.choose(ctx)
-        dnode, tbt = self.select_decode(req)
+        # The bias is the same for every node: it moves the prediction, not the choice.
+        bias = self.ttft_bias(now)
+        ttft = plan.ttft + bias
+        dnode, tbt = self.select_decode(req, now, ttft)
         cfg = self.config
         if dnode is None:
-            return self._reject(req, "no_decode_capacity", plan.ttft, math.inf, 1.0)
-        if cfg.reject and plan.ttft > cfg.ttft_slo_s:
-            return self._reject(req, "ttft_slo", plan.ttft, tbt, plan.ttft - cfg.ttft_slo_s)
-        if cfg.reject and tbt > cfg.tbt_slo_s:
-            return self._reject(req, "tbt_slo", plan.ttft, tbt, 1.0)
+            return self._reject(req, "no_decode_capacity", ttft, math.inf, 1.0)
+        ttft_limit = cfg.ttft_slo_s * cfg.slo_admit_fraction
+        if cfg.reject and ttft > ttft_limit:
+            return self._reject(req, "ttft_slo", ttft, tbt, ttft - ttft_limit)
+        if cfg.reject and tbt > cfg.tbt_slo_s * cfg.slo_admit_fraction:
+            return self._reject(req, "tbt_slo", ttft, tbt, 1.0)
 
         decision = Decision(req.request_id, plan.node, dnode.node_id,
                             req.prefix_tokens(plan.local_prefix_blocks), plan.prefix_tokens,
-                            plan.transfer, plan.ttft, tbt, plan.t_queue, plan.t_transfer,
+                            plan.transfer, ttft, tbt, plan.t_queue, plan.t_transfer,
                             plan.t_prefill, self.policy.name)
         # Book the work so the next decision sees it before any heartbeat.
         self.prefill[plan.node].pending[req.request_id] = PendingPrefill(plan.t_prefill, now)
@@ -183,10 +306,12 @@ class Scheduler:
         tokens = req.prompt_tokens + req.expected_output_tokens
         pages = dnode.pages_for(tokens)
         dnode.reserved[req.request_id] = (pages, tokens)
+        dnode.booked[req.request_id] = BookedJoin(now + ttft, req.prompt_tokens,
+                                                  req.expected_output_tokens)
         dnode.free_pages -= pages
         dnode.batch_size += 1
         dnode.context_tokens += tokens
-        self.inflight[req.request_id] = _Inflight(decision, req, now)
+        self.inflight[req.request_id] = _Inflight(decision, req, now, bias)
         return decision
 
     # ---- feedback from execution ----------------------------------------
@@ -197,14 +322,26 @@ class Scheduler:
 
     def on_prefill_finished(self, node: str, request_id: str, now: float,
                             actual_seconds: float,
-                            actual_prefix_tokens: int | None = None) -> None:
+                            actual_prefix_tokens: int | None = None,
+                            actual_queue_s: float | None = None) -> None:
         """Prefill done (first token out): refit and record the TTFT error.
+
+        `actual_queue_s`, when the node measured it, is the time the request
+        waited in the node's queue: the learned TTFT bias then holds only what
+        neither the queue nor the prefill explains (RPCs, the reservation).
 
         `actual_seconds <= 0` means "no measurement" (cancelled or failed
         prefill): the booking is released but nothing is learned from it.
         """
         if node in self.prefill:
-            self.prefill[node].pending.pop(request_id, None)
+            st = self.prefill[node]
+            done = st.pending.pop(request_id, None)
+            if done is not None and done.in_report:
+                # The node moves on to the next named request now: what is
+                # left of the reported work is the rest of the named ones.
+                st.reported_queue_s = sum(p.estimate_s for p in st.pending.values()
+                                          if p.in_report)
+                st.reported_at = now
         self._outstanding[node] = max(0, self._outstanding.get(node, 0) - 1)
         inf = self.inflight.get(request_id)
         if inf is None or actual_seconds <= 0:
@@ -216,10 +353,26 @@ class Scheduler:
         self.estimator_for(node).observe(inf.req.prompt_tokens, prefix, actual_seconds)
         actual_ttft = now - inf.scheduled_at
         error = inf.decision.predicted_ttft_s - actual_ttft
+        alpha = self.config.ttft_bias_alpha
+        if alpha:
+            # What the estimators missed for this request, less their
+            # prefill error (the refit above learns that) and, when measured,
+            # their queue error (the node's reports correct that): its TTFT
+            # minus the measured prefill, the queue, the predicted transfer.
+            d = inf.decision
+            queue = d.t_queue if actual_queue_s is None else actual_queue_s
+            missed = actual_ttft - actual_seconds - queue - d.t_transfer
+            self._ttft_bias_s = max(0.0, (1 - alpha) * self.ttft_bias(now) + alpha * missed)
+            self._ttft_bias_at = now
         self.ttft_errors.append(error)
         self._ttft_error_count += 1
         self._ttft_error_sum += error
         self._ttft_error_abs_sum += abs(error)
+
+    def ttft_bias(self, now: float) -> float:
+        """The learned TTFT bias at `now` (0 unless ttft_bias_alpha > 0)."""
+        age = max(0.0, now - self._ttft_bias_at)
+        return self._ttft_bias_s * 0.5 ** (age / self.config.ttft_bias_half_life_s)
 
     def on_transfer_finished(self, source: str, nbytes: int, seconds: float) -> None:
         self.transfer_est.observe(source, nbytes, seconds)
@@ -230,13 +383,28 @@ class Scheduler:
         if d is None:
             return
         pages, tokens = d.reserved.pop(request_id, (0, 0))
+        d.booked.pop(request_id, None)
+        if d.running is not None:
+            d.running.pop(request_id, None)  # a report older than the finish may name it
         d.free_pages += pages
         d.batch_size = max(0, d.batch_size - 1)
         d.context_tokens = max(0, d.context_tokens - tokens)
 
     def on_node_report(self, node: str, report: NodeReport, now: float) -> None:
         """Heartbeat: replace our estimate of the node's load by its own."""
-        if node in self.prefill and report.queued_prefill_s is not None:
+        if node in self.prefill and self.config.queue_from_bookings \
+                and report.prefill_requests is not None:
+            s = self.prefill[node]
+            named = report.prefill_requests
+            for rid, p in s.pending.items():
+                p.in_report = rid in named
+            ours = sum(p.estimate_s for p in s.pending.values() if p.in_report)
+            if named <= s.pending.keys() or report.queued_prefill_s is None:
+                s.reported_queue_s = ours
+            else:
+                s.reported_queue_s = max(ours, report.queued_prefill_s)
+            s.reported_at = report.at
+        elif node in self.prefill and report.queued_prefill_s is not None:
             s = self.prefill[node]
             s.reported_queue_s, s.reported_at = report.queued_prefill_s, report.at
             if report.prefill_requests is not None:
@@ -256,10 +424,24 @@ class Scheduler:
                 d.context_tokens = report.context_tokens
             if report.free_pages is not None:
                 d.free_pages = report.free_pages
+            if report.decode_sequences is not None:
+                # The node's word replaces ours: a sequence it no longer
+                # names has finished there (or not joined yet: then its
+                # booking counts it).
+                d.running = dict(report.decode_sequences)
+                d.running_at = report.at
+            if report.decode_steps and max(st.step for st in report.decode_steps) \
+                    < d.last_step_seen:
+                d.last_step_seen = -1  # the node restarted its step counter
+            new_steps = [st for st in report.decode_steps if st.step > d.last_step_seen]
+            for st in new_steps:
+                # Fit the TBT model on the steps the node measured.
+                self.decode_est.observe(st.batch, st.context_tokens, st.seconds)
+                d.last_step_seen = max(d.last_step_seen, st.step)
             if report.recent_tbt_s is not None:
                 d.recent_tbt_s = report.recent_tbt_s
-                # Calibrate the TBT model on what the node measures.
-                if report.batch_size:
+                # No per-step figures: calibrate on the node's recent TBT.
+                if report.batch_size and not report.decode_steps:
                     self.decode_est.observe(report.batch_size, report.context_tokens or 0,
                                             report.recent_tbt_s)
 

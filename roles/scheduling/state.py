@@ -49,11 +49,16 @@ class ScheduleRequest:
 
 @dataclass
 class PendingPrefill:
-    """Work sent to a prefill node and not yet confirmed by a report."""
+    """Work sent to a prefill node and not finished yet.
+
+    `in_report`: the node's latest report names it, so that report's figure
+    counts it (see PrefillNodeState); kept only with queue_from_bookings.
+    """
 
     estimate_s: float
     sent_at: float
     started_at: float | None = None
+    in_report: bool = False
 
 
 @dataclass
@@ -82,11 +87,56 @@ class PrefillNodeState:
     def queue_time(self, now: float) -> float:
         backlog = max(0.0, self.reported_queue_s - (now - self.reported_at))
         for p in self.pending.values():
+            if p.in_report:
+                continue  # in reported_queue_s
             if p.started_at is None:
                 backlog += p.estimate_s
             else:
                 backlog += max(0.0, p.estimate_s - (now - p.started_at))
         return backlog
+
+
+class RunningSeq(NamedTuple):
+    """A sequence a decode node reports in its batch (or queued to join it).
+
+    `context_tokens`: KV positions it holds at the report; `remaining_tokens`:
+    how many more tokens it may generate (max_tokens minus generated: EOS
+    can only end it earlier, so the figure is an upper bound).
+    """
+
+    context_tokens: int
+    remaining_tokens: int
+
+
+class DecodeStep(NamedTuple):
+    """One measured decode step: `seconds` for a batch holding `context_tokens`."""
+
+    step: int  # the node's step counter: a report repeats steps already seen
+    batch: int
+    context_tokens: int
+    seconds: float
+
+
+@dataclass
+class BookedJoin:
+    """A request sent to a decode node that the node has not reported yet.
+
+    It joins the node's batch when its prefill ends: predicted at `join_at`
+    (= scheduled time + predicted TTFT), then holds `prompt_tokens` of
+    context growing by one per step for `output_tokens - 1` steps (the first
+    token comes from the prefill node).
+    """
+
+    join_at: float
+    prompt_tokens: int
+    output_tokens: int
+
+
+class DecodeLoad(NamedTuple):
+    """Predicted load of a decode node at one instant."""
+
+    batch: int
+    context_tokens: int
 
 
 @dataclass
@@ -95,6 +145,12 @@ class DecodeNodeState:
 
     `batch_size` and `context_tokens` include requests dispatched to it and
     not yet finished; `free_pages` is the page budget left for new KV.
+
+    For the load at a future instant (`Scheduler.predict_decode_load`):
+    `running` is the node's own per-sequence report as of `running_at`
+    (None until a node reports one), `booked` every request dispatched
+    here and not finished. Invariant: a request is counted once: from the
+    report when the report names it, else from its booking.
     """
 
     node_id: str
@@ -107,6 +163,10 @@ class DecodeNodeState:
     recent_tbt_s: float = 0.0
     # request id -> (pages, context tokens) reserved for it
     reserved: dict[str, tuple[int, int]] = field(default_factory=dict)
+    booked: dict[str, BookedJoin] = field(default_factory=dict)
+    running: dict[str, RunningSeq] | None = None
+    running_at: float = 0.0
+    last_step_seen: int = -1
 
     def __post_init__(self) -> None:
         if self.page_budget <= 0:
@@ -137,6 +197,10 @@ class NodeReport(NamedTuple):
     # Prefill node: the requests its `queued_prefill_s` holds (queued or
     # running); None when the node does not say.
     prefill_requests: frozenset[str] | None = None
+    # Decode node: its sequences (running or queued to join the batch) by
+    # request id, and recent measured steps; None when the node does not say.
+    decode_sequences: dict[str, RunningSeq] | None = None
+    decode_steps: tuple[DecodeStep, ...] = ()
 
 
 class TransferPlan(NamedTuple):

@@ -1,0 +1,36 @@
+"""What `bench serve` reports about early rejection and prediction error (report.py)."""
+import pytest
+
+from mooncaked.benchserve.replay import RequestResult
+from mooncaked.benchserve.report import Slo, summarize
+
+
+def ok(i, ttft, predicted, server_ttft, pred_tbt=0.02, tbt=0.03):
+    r = RequestResult(i, i, 0.0, 10, 4, status="ok", sent_s=float(i), ttft_s=ttft, e2e_s=ttft + 0.1,
+                      token_times_s=[ttft, ttft + 0.03, ttft + 0.06], completion_tokens=3)
+    r.server = {"predicted_ttft_s": predicted, "ttft_s": server_ttft,
+                "predicted_tbt_s": pred_tbt, "tbt_s": tbt}
+    return r
+
+
+def test_prediction_error_and_rejections_are_summarized():
+    results = [ok(0, 0.2, 0.3, 0.2), ok(1, 0.4, 0.1, 0.4), ok(2, 2.0, 1.0, 2.0)]
+    rej = RequestResult(3, 3, 0.0, 10, 4, status="rejected", sent_s=3.0, reject_s=0.004,
+                        retry_after="2")
+    s = summarize(results + [rej], Slo(ttft_s=1.0, tbt_ms=150))
+    assert s["accepted"] == 3 and s["rejected"] == 1 and s["rejected_with_retry_after"] == 1
+    # Both SLOs: requests 0 and 1 (request 2's TTFT is 2 s).
+    assert s["accepted_in_slo"] == pytest.approx(2 / 3)
+    assert s["reject_s"]["max"] == pytest.approx(0.004)
+    p = s["prediction"]
+    # |0.3-0.2| + |0.1-0.4| + |1.0-2.0| = 1.4 over 3; TTFT p50 (client) 0.4 s.
+    assert p["n"] == 3 and p["ttft_mean_abs_error_s"] == pytest.approx(1.4 / 3)
+    assert p["ttft_mean_error_s"] == pytest.approx((0.1 - 0.3 - 1.0) / 3)
+    assert p["ttft_mean_abs_error_of_p50"] == pytest.approx(1.4 / 3 / s["ttft_s"]["p50"])
+    assert p["tbt_mean_abs_error_s"] == pytest.approx(0.01)
+
+
+def test_a_server_without_traces_reports_no_prediction_error():
+    r = ok(0, 0.2, 0.3, 0.2)
+    r.server = {}
+    assert summarize([r], Slo())["prediction"] == {"n": 0}

@@ -1,0 +1,302 @@
+"""Decode load at join time, the TBT fit, and prediction-based early rejection.
+
+Every expectation is worked out by hand in the comments: the prefill
+estimator is 1 ms per computed token, so a request's predicted TTFT (and
+hence when it joins its decode node) is its prompt length in ms.
+"""
+import math
+
+import pytest
+
+from roles.scheduling import (BookedJoin, DecodeEstimator, DecodeLoad, DecodeStep, Decision,
+                              NodeReport, PolynomialPrefillEstimator, Rejection, RunningSeq,
+                              ScheduleRequest, Scheduler, SchedulerConfig, TransferEstimator,
+                              fit_decode)
+
+BS = 100
+
+
+def make_sched(decode=(0.02, 0.001, 0.0), tbt_slo=1.0, ttft_slo=30.0, n_decode=1, **cfg):
+    s = Scheduler(SchedulerConfig(policy="load_balance", ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo,
+                                  kv_bytes_per_token=1000, **cfg),
+                  PolynomialPrefillEstimator({"n": 1e-3}), TransferEstimator(1e9),
+                  DecodeEstimator(*decode))
+    s.add_prefill_node("p0")
+    for i in range(n_decode):
+        s.add_decode_node(f"d{i}", page_budget=10_000, page_tokens=BS)
+    return s
+
+
+def req(rid, tokens, out=8):
+    return ScheduleRequest(rid, tuple(range(1000, 1000 + -(-tokens // BS))), tokens, BS, out)
+
+
+def report_running(s, node, at, seqs, tbt):
+    """The node reports its sequences; its measured step time is set
+    directly, so that the estimator's level is not calibrated on it and the
+    TBT figures below stay the hand-computed ones."""
+    s.on_node_report(node, NodeReport(at=at, batch_size=len(seqs),
+                                      context_tokens=sum(q.context_tokens for q in seqs.values()),
+                                      decode_sequences=seqs), at)
+    s.decode[node].recent_tbt_s = tbt
+
+
+def three_running(s, at=10.0):
+    # a: 100 tokens of context, 5 left; b: 200, 20 left; c: 50, 50 left; 0.1 s a step.
+    report_running(s, "d0", at, {"a": RunningSeq(100, 5), "b": RunningSeq(200, 20),
+                                 "c": RunningSeq(50, 50)}, tbt=0.1)
+
+
+def test_running_requests_leave_the_batch_when_their_tokens_run_out():
+    s = make_sched()
+    three_running(s)
+    assert s.step_seconds("d0") == 0.1
+    # At the report: all three.
+    assert s.predict_decode_load("d0", 10.0) == DecodeLoad(3, 350)
+    # 1 s = 10 steps later: a (5 left) is done; b at 200+10, c at 50+10.
+    assert s.predict_decode_load("d0", 11.0) == DecodeLoad(2, 270)
+    # 3 s = 30 steps: b (20 left) is done too; c at 50+30.
+    assert s.predict_decode_load("d0", 13.0) == DecodeLoad(1, 80)
+    # 6 s = 60 steps: all done.
+    assert s.predict_decode_load("d0", 16.0) == DecodeLoad(0, 0)
+
+
+def test_booked_requests_join_at_their_predicted_ttft():
+    s = make_sched()
+    three_running(s)
+    # x: 300-token prompt at t=10.2 -> TTFT 0.3 s -> joins at 10.5, 8 tokens
+    # (7 decode steps: in the batch until 10.5 + 0.7 = 11.2).
+    x = s.schedule(req("x", 300), now=10.2)
+    assert isinstance(x, Decision) and x.predicted_ttft_s == pytest.approx(0.3)
+    assert s.decode["d0"].booked["x"] == BookedJoin(pytest.approx(10.5), 300, 8)
+    s.on_prefill_finished("p0", "x", now=10.5, actual_seconds=0.3)  # the prefill queue is empty again
+    # y: 200 tokens at t=11.8 -> joins at 12.0.
+    s.schedule(req("y", 200), now=11.8)
+    assert s.decode["d0"].booked["y"].join_at == pytest.approx(12.0)
+    # At 11.0: b, c as above (2, 270) + x, 5 steps in: 300 + 5.  y not yet.
+    assert s.predict_decode_load("d0", 11.0) == DecodeLoad(3, 575)
+    # At 12.5: only c (50 + 25) and y (5 steps in: 200 + 5); x left at 11.2.
+    assert s.predict_decode_load("d0", 12.5) == DecodeLoad(2, 280)
+    # The node reports x running (context 303, 4 left): counted once, from the report.
+    report_running(s, "d0", 11.0, {"b": RunningSeq(210, 10), "c": RunningSeq(60, 40),
+                                   "x": RunningSeq(303, 4)}, tbt=0.1)
+    assert s.predict_decode_load("d0", 11.0) == DecodeLoad(3, 573)
+    # Finished requests leave both the booking and the reported batch.
+    s.on_decode_finished("d0", "x", 11.4)
+    assert "x" not in s.decode["d0"].booked and "x" not in s.decode["d0"].running
+    assert s.predict_decode_load("d0", 11.0) == DecodeLoad(2, 270)
+
+
+def test_a_late_booking_joins_after_the_report_that_missed_it():
+    s = make_sched()
+    s.schedule(req("x", 300), now=0.0)  # joins at 0.3, 8 tokens
+    # step time: no measured TBT yet -> the estimator's for the current
+    # batch (x booked: 1) = 0.02 + 0.001 = 0.021 s.
+    assert s.step_seconds("d0") == pytest.approx(0.021)
+    # No report yet: it joined at 0.3 and left after 7 steps (0.447).
+    assert s.predict_decode_load("d0", 0.4) == DecodeLoad(1, 300 + 4)
+    assert s.predict_decode_load("d0", 5.0) == DecodeLoad(0, 0)
+    # A report at 5.0 does not name it: its prefill is late; it joins at 5.0
+    # at the earliest, and is counted from there.
+    s.on_node_report("d0", NodeReport(at=5.0, batch_size=0, decode_sequences={}), 5.0)
+    assert s.predict_decode_load("d0", 5.0) == DecodeLoad(1, 300)
+    assert s.predict_decode_load("d0", 5.1, step_s=0.05) == DecodeLoad(1, 302)
+
+
+def test_tbt_is_predicted_at_the_load_when_the_request_joins():
+    # TBT = 0.01 + 0.01 * batch; SLO 45 ms: 3 running + this one = 50 ms.
+    s = make_sched(decode=(0.01, 0.01, 0.0), tbt_slo=0.045)
+    three_running(s)
+    # 100 tokens: TTFT 0.1 s -> joins at 10.1 (1 step: a, b, c still run).
+    # Predicted TBT: 0.01 + 0.01 * (3 + 1) = 0.05 > 0.045: rejected.
+    soon = s.schedule(req("soon", 100), now=10.0)
+    assert isinstance(soon, Rejection) and soon.reason == "tbt_slo"
+    assert soon.predicted_tbt_s == pytest.approx(0.05)
+    # 2500 tokens: TTFT 2.5 s -> joins at 12.5 (25 steps: a and b are done).
+    # Predicted TBT: 0.01 + 0.01 * (1 + 1) = 0.03: accepted, although the
+    # batch *now* (3 + 1) would have refused it.
+    late = s.schedule(req("late", 2500), now=10.0)
+    assert isinstance(late, Decision) and late.predicted_tbt_s == pytest.approx(0.03)
+    assert s.decode_est.seconds(3 + 1, 0) > s.config.tbt_slo_s
+
+
+def test_requests_booked_to_join_count_against_an_idle_node():
+    # An idle node with 3 requests booked to join at 0.3 s: the 4th one,
+    # joining at 0.3 s too, sees a batch of 3 (+ itself): 0.05 > 0.045.
+    s = make_sched(decode=(0.01, 0.01, 0.0), tbt_slo=0.045, ttft_slo=30.0)
+    s.prefill["p0"].reported_queue_s = 0.0
+    for i in range(3):
+        d = s.schedule(req(f"r{i}", 300, out=100), now=0.0)
+        assert isinstance(d, Decision)
+        # Prefill bookings queue up on the single prefill node: the i-th
+        # joins at (i + 1) * 0.3 s.
+        assert s.decode["d0"].booked[f"r{i}"].join_at == pytest.approx(0.3 * (i + 1))
+    # r3 queues behind 0.9 s of prefill: joins at 1.2 s, when r0..r2 run.
+    r3 = s.schedule(req("r3", 300, out=100), now=0.0)
+    assert isinstance(r3, Rejection) and r3.reason == "tbt_slo"
+    assert r3.predicted_ttft_s == pytest.approx(1.2)
+    assert r3.predicted_tbt_s == pytest.approx(0.05)
+
+
+def test_least_loaded_decode_node_at_join_time_is_chosen():
+    s = make_sched(n_decode=2)
+    three_running(s)                      # d0 busy
+    report_running(s, "d1", 10.0, {"z": RunningSeq(10, 1)}, tbt=0.1)  # d1: one about to end
+    d = s.schedule(req("r", 300), now=10.0)
+    # joins at 10.3: d0 holds a, b, c (3 steps in); d1's z ended after 1 step.
+    assert d.decode_node == "d1"
+    assert d.predicted_tbt_s == pytest.approx(0.02 + 0.001 * 1)
+
+
+def test_decode_fit_recovers_exact_coefficients():
+    truth = (0.005, 0.002, 1e-6)
+    samples = [(b, k, truth[0] + truth[1] * b + truth[2] * k)
+               for b in (1, 2, 4, 8, 16) for k in (100, 2000, 9000)]
+    c0, cb, ck = fit_decode(samples, prior=(1.0, 1.0, 1.0), prior_weight=0.0)
+    assert (c0, cb, ck) == (pytest.approx(0.005), pytest.approx(0.002), pytest.approx(1e-6))
+
+
+def test_decode_fit_stays_non_negative_and_near_the_prior_on_one_batch_size():
+    # Steps all at batch 4 with 0 context, 30 ms each: c0 and c_batch cannot
+    # be told apart; the prior (10 ms + 2.5 ms/seq = 20 ms at batch 4) gets
+    # scaled up to the measurement rather than made up, and the prediction
+    # at batch 4 matches what was measured.
+    samples = [(4, 0, 0.03)] * 40
+    c0, cb, ck = fit_decode(samples, prior=(0.01, 0.0025, 0.0), prior_weight=4.0)
+    assert min(c0, cb, ck) >= 0.0
+    assert c0 + 4 * cb == pytest.approx(0.03, rel=0.05)
+    assert c0 > 0 and cb > 0
+    # Decreasing step times in the batch cannot give a negative slope.
+    c0, cb, _ = fit_decode([(1, 0, 0.05), (8, 0, 0.01)], prior=(0.0, 0.0, 0.0))
+    assert cb >= 0.0
+
+
+def test_online_decode_fit_from_node_reports_skips_steps_seen_before():
+    est = DecodeEstimator(0.01, 0.001, 0.0, refit_every=2, prior_weight=0.0)
+    s = Scheduler(SchedulerConfig(), PolynomialPrefillEstimator({"n": 1e-4}),
+                  TransferEstimator(1e9), est)
+    s.add_decode_node("d0", page_budget=100, page_tokens=16)
+    # The node measures t = 0.004 + 0.003 b.
+    steps = tuple(DecodeStep(i, b, 0, 0.004 + 0.003 * b) for i, b in enumerate((1, 2, 3, 4)))
+    s.on_node_report("d0", NodeReport(at=1.0, decode_steps=steps), 1.0)
+    assert len(est.samples) == 4
+    # The next report repeats the last two steps and adds two: only two are new.
+    more = steps[2:] + (DecodeStep(4, 6, 0, 0.022), DecodeStep(5, 8, 0, 0.028))
+    s.on_node_report("d0", NodeReport(at=2.0, decode_steps=more), 2.0)
+    assert len(est.samples) == 6
+    # The fit (every 2 samples) is the measurements', not the 10 ms + 1 ms/seq prior's.
+    assert est.seconds(4, 0) == pytest.approx(0.004 + 0.003 * 4)
+    # A restarted node counts steps from 0 again: its steps are not ignored.
+    s.on_node_report("d0", NodeReport(at=3.0, decode_steps=(DecodeStep(0, 2, 0, 0.01),)), 3.0)
+    assert len(est.samples) == 7
+
+
+def test_learned_ttft_bias_moves_predictions_and_decays():
+    s = make_sched(ttft_bias_alpha=0.5, ttft_bias_half_life_s=10.0, ttft_slo=2.0)
+    a = s.schedule(req("a", 500), now=0.0)  # predicted 0.5 s
+    assert a.predicted_ttft_s == pytest.approx(0.5)
+    # It took 1.5 s: the estimators missed 1.0 s -> bias 0.5 * 1.0 = 0.5.
+    s.on_prefill_finished("p0", "a", now=1.5, actual_seconds=0.5)
+    assert s.ttft_bias(1.5) == pytest.approx(0.5)
+    s.on_decode_finished("d0", "a", 1.5)
+    b = s.schedule(req("b", 500), now=1.5)
+    assert b.predicted_ttft_s == pytest.approx(0.5 + 0.5)
+    # b took 1.5 s as well: missed = 1.5 - (1.0 - 0.5) = 1.0; the old bias
+    # has decayed for 1.5 s: 0.5 * 0.5 ** 0.15 = 0.4506 -> 0.5*0.4506 + 0.5*1.0.
+    s.on_prefill_finished("p0", "b", now=3.0, actual_seconds=0.5)
+    assert s.ttft_bias(3.0) == pytest.approx(0.5 * 0.5 * 0.5 ** 0.15 + 0.5)
+    s.on_decode_finished("d0", "b", 3.0)
+    # Ten seconds without a sample halve it.
+    assert s.ttft_bias(13.0) == pytest.approx(s.ttft_bias(3.0) / 2)
+    # 1800 tokens: 1.8 s + 0.725 bias > 2.0 SLO now; at t=33 (bias 0.09) it fits.
+    assert isinstance(s.schedule(req("c", 1800), now=3.0), Rejection)
+    assert isinstance(s.schedule(req("d", 1800), now=33.0), Decision)
+
+
+def test_without_bias_learning_predictions_are_the_estimators_alone():
+    s = make_sched()
+    s.schedule(req("a", 500), now=0.0)
+    s.on_prefill_finished("p0", "a", now=5.0, actual_seconds=0.5)
+    assert s.ttft_bias(5.0) == 0.0
+    assert s.estimator_error()["mean_abs_s"] == pytest.approx(4.5)
+
+
+def test_bad_decode_estimator_and_bias_settings():
+    with pytest.raises(ValueError):
+        DecodeEstimator(0.01, 0.0, 0.0, refit_every=-1)
+    with pytest.raises(ValueError):
+        SchedulerConfig(ttft_bias_alpha=1.5)
+    with pytest.raises(ValueError):
+        fit_decode([], prior=(0.0, 0.0, 0.0))
+    assert math.isfinite(DecodeEstimator(0.01, 0.0, 0.0).seconds(1, 0))
+
+
+def test_admission_keeps_headroom_under_the_slo():
+    # 950 tokens: predicted 0.95 s against a 1 s SLO: admitted at fraction 1,
+    # refused at 0.9 (limit 0.9 s), with Retry-After >= the minimum.
+    assert isinstance(make_sched(ttft_slo=1.0).schedule(req("a", 950), now=0.0), Decision)
+    r = make_sched(ttft_slo=1.0, slo_admit_fraction=0.9).schedule(req("a", 950), now=0.0)
+    assert isinstance(r, Rejection) and r.reason == "ttft_slo" and r.retry_after_s == 1.0
+    with pytest.raises(ValueError):
+        SchedulerConfig(slo_admit_fraction=0.0)
+
+
+def test_bias_leaves_the_prefill_error_to_the_prefill_fit():
+    s = make_sched(ttft_bias_alpha=0.5)
+    s.schedule(req("a", 500), now=0.0)  # predicted: queue 0 + prefill 0.5
+    # The prefill took 1.2 s (not 0.5) and the first token came at 1.5: the
+    # refit learns the 0.7 s; only the 0.3 s outside the prefill is bias.
+    s.on_prefill_finished("p0", "a", now=1.5, actual_seconds=1.2)
+    assert s.ttft_bias(1.5) == pytest.approx(0.5 * 0.3)
+
+
+def test_queue_from_bookings_uses_own_estimates_of_the_named_requests():
+    s = make_sched(queue_from_bookings=True)
+    s.schedule(req("a", 1000), now=0.0)   # 1.0 s each by the fitted estimator
+    s.schedule(req("b", 500), now=0.0)    # 0.5 s, queued behind a
+    s.schedule(req("c", 200), now=0.0)    # 0.2 s, not at the node yet
+    # The node names a and b with a figure of 9 s (its own tokens/s guess):
+    # the queue is our 1.0 + 0.5 (decayed from the report) + c's 0.2.
+    s.on_node_report("p0", NodeReport(at=0.5, queued_prefill_s=9.0,
+                                      prefill_requests=frozenset({"a", "b"})), 0.5)
+    assert s.prefill["p0"].queue_time(0.5) == pytest.approx(1.5 + 0.2)
+    assert s.prefill["p0"].queue_time(1.0) == pytest.approx(1.0 + 0.2)
+    # a finishes at 1.2: the node starts b then; 0.5 of named work from 1.2 on.
+    s.on_prefill_finished("p0", "a", now=1.2, actual_seconds=1.0)
+    assert s.prefill["p0"].queue_time(1.2) == pytest.approx(0.5 + 0.2)
+    assert s.prefill["p0"].queue_time(1.5) == pytest.approx(0.2 + 0.2)
+    # A request this scheduler did not book (another conductor's): the node's
+    # figure covers what we cannot estimate.
+    s.on_node_report("p0", NodeReport(at=2.0, queued_prefill_s=3.0,
+                                      prefill_requests=frozenset({"b", "c", "other"})), 2.0)
+    assert s.prefill["p0"].queue_time(2.0) == pytest.approx(3.0)
+    # Without the option, the node's figure is the queue (test_scheduling_core).
+    plain = make_sched()
+    plain.schedule(req("a", 1000), now=0.0)
+    plain.on_node_report("p0", NodeReport(at=0.5, queued_prefill_s=9.0,
+                                          prefill_requests=frozenset({"a"})), 0.5)
+    assert plain.prefill["p0"].queue_time(0.5) == pytest.approx(9.0)
+
+
+def test_a_growing_batch_slows_down_and_keeps_its_sequences_longer():
+    # TBT = 0.01 + 0.01 * batch.  Two sequences with 10 tokens left, measured
+    # at 10 ms a step.  A 150-token request joins at 0.15 s:
+    #  - at 10 ms a step both are gone by then (15 steps): TBT 0.02;
+    #  - but at 0.02 s a step they have run 7.5 steps: both still there,
+    #    batch 2 + 1: TBT 0.04; at 0.04 s a step (3.75 steps) still there:
+    #    0.04 is the fixed point, and the prediction.
+    s = make_sched(decode=(0.01, 0.01, 0.0))
+    report_running(s, "d0", 0.0, {"a": RunningSeq(0, 10), "b": RunningSeq(0, 10)}, tbt=0.01)
+    assert s.predict_decode_load("d0", 0.15) == DecodeLoad(0, 0)
+    d = s.schedule(req("r", 150), now=0.0)
+    assert d.predicted_ttft_s == pytest.approx(0.15)
+    assert d.predicted_tbt_s == pytest.approx(0.04)
+
+
+def test_bias_with_a_measured_queue_holds_only_the_unexplained_time():
+    s = make_sched(ttft_bias_alpha=0.5)
+    s.schedule(req("a", 500), now=0.0)  # predicted: queue 0 + prefill 0.5
+    # It waited 0.8 s in the node's queue (not predicted), computed 0.5 s and
+    # its first token came at 1.4: 0.1 s is neither queue nor prefill.
+    s.on_prefill_finished("p0", "a", now=1.4, actual_seconds=0.5, actual_queue_s=0.8)
+    assert s.ttft_bias(1.4) == pytest.approx(0.5 * 0.1)

@@ -49,6 +49,19 @@ def register(app: typer.Typer) -> None:
         max_requests: int = typer.Option(0, help="replay only the first N (0 = all)"),
         out: Optional[Path] = typer.Option(None, help="write result.json and PNGs here"),
         plots: bool = typer.Option(True, help="write PNG plots with --out"),
+        estimators: str = typer.Option("exact", help="exact: the scheduler is handed the cost "
+                                       "model's formulas | learned: it fits them from measured "
+                                       "times only, starting 2x off"),
+        noise_sigma: float = typer.Option(0.0, help="sigma of a mean-one lognormal factor on "
+                                          "every measured prefill, decode step and KV pull"),
+        slow_nodes: str = typer.Option("", help="nodes slower than modelled, e.g. p0=1.5,d0=1.3 "
+                                       "(the scheduler is not told)"),
+        heartbeat_interval: float = typer.Option(0.0, help="load report period, s (0 = none)"),
+        heartbeat_delay: float = typer.Option(0.0, help="age of a load report on arrival, s"),
+        event_delay: float = typer.Option(0.0, help="delay of cache events to the index, s"),
+        reject_on_current_load: bool = typer.Option(
+            False, help="baseline: reject on the decode load nodes last reported, not on the "
+            "load predicted at join (needs --heartbeat-interval)"),
     ) -> None:
         try:
             cfg = SimConfig(trace=str(trace), prefill=prefill, decode=decode, policy=policy,
@@ -56,7 +69,12 @@ def register(app: typer.Typer) -> None:
                             model_profile=model_profile, nic_gbps=nic_gbps,
                             ttft_slo_s=ttft_slo, tbt_slo_ms=tbt_slo, rate_scale=rate_scale,
                             kvcache_balancing_threshold=threshold, reject=reject,
-                            max_requests=max_requests, out=str(out or ""))
+                            max_requests=max_requests, out=str(out or ""),
+                            estimators=estimators, noise_sigma=noise_sigma,
+                            node_slowdown=_slow_nodes(slow_nodes),
+                            heartbeat_interval_s=heartbeat_interval,
+                            heartbeat_delay_s=heartbeat_delay, event_delay_s=event_delay,
+                            reject_on_current_load=reject_on_current_load)
             res = run_simulation(cfg)
         except ValueError as e:
             typer.echo(f"error: {e}", err=True)
@@ -64,3 +82,17 @@ def register(app: typer.Typer) -> None:
         if out is not None:
             write_outputs(res, out, plots)
         typer.echo(json.dumps(res.summary, indent=1))
+
+
+def _slow_nodes(spec: str) -> dict[str, float]:
+    """"p0=1.5,d0=1.3" -> {"p0": 1.5, "d0": 1.3}."""
+    out: dict[str, float] = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        node, sep, factor = item.partition("=")
+        try:
+            out[node.strip()] = float(factor)
+        except ValueError:
+            sep = ""
+        if not sep or not node.strip():
+            raise ValueError(f"--slow-nodes: expected NODE=FACTOR, got {item!r}")
+    return out

@@ -7,6 +7,7 @@ from pathlib import Path
 
 POLICY_NAMES = ("mooncake", "local_cache_aware", "load_balance", "random", "round_robin",
                 "sglang_cache_aware", "dynamo_kv", "llmd_weighted", "colocated")
+ESTIMATOR_BASES = ("exact", "learned")
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,30 @@ class SimConfig:
     decode_kv_fraction: float = 0.9  # of HBM left after weights
     max_requests: int = 0  # 0: whole trace
     sample_interval_s: float = 10.0
+    # --- what the scheduler knows (docs/simulation.md, "Learned estimators") ---
+    # "exact": the scheduler's estimators are the cost model's own formulas
+    # (predictions exact up to queueing). "learned": it starts from a prior
+    # `learned_prior_scale` times the true cost and fits its prefill and
+    # decode estimators only from measured completions and load reports, as
+    # the HTTP conductor does.
+    estimators: str = "exact"
+    learned_prior_scale: float = 2.0
+    # Each measured prefill, decode step and KV pull takes the cost model's
+    # time x a mean-one lognormal factor of this sigma (0: none) x the
+    # node's slowdown (e.g. {"p0": 1.5}: a slow prefill node; the scheduler
+    # is not told).
+    noise_sigma: float = 0.0
+    node_slowdown: dict = field(default_factory=dict)
+    # Load reports (heartbeats): every `heartbeat_interval_s` (0: none) each
+    # node reports its state, which reaches the scheduler
+    # `heartbeat_delay_s` later; cache stored/evicted events reach the global
+    # index `event_delay_s` after the store changed.
+    heartbeat_interval_s: float = 0.0
+    heartbeat_delay_s: float = 0.0
+    event_delay_s: float = 0.0
+    # The scheduler's "reject on current decode load" baseline (the paper's
+    # naive early rejection); needs heartbeats to see any load.
+    reject_on_current_load: bool = False
     hot_keys: int = 100
     seed: int = 0
     out: str = ""
@@ -137,3 +162,17 @@ class SimConfig:
             raise ValueError("colocated_routing: a policy without transfers, e.g. load_balance")
         if self.kvcache_balancing_threshold < 1.0:
             raise ValueError("kvcache_balancing_threshold must be >= 1.0")
+        if self.estimators not in ESTIMATOR_BASES:
+            raise ValueError(f"estimators: unknown {self.estimators!r}; "
+                             f"choose from {ESTIMATOR_BASES}")
+        if self.learned_prior_scale <= 0:
+            raise ValueError("learned_prior_scale must be > 0")
+        for f in ("noise_sigma", "heartbeat_interval_s", "heartbeat_delay_s", "event_delay_s"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"{f} must be >= 0")
+        if not isinstance(self.node_slowdown, dict) or any(
+                not isinstance(v, (int, float)) or v <= 0 for v in self.node_slowdown.values()):
+            raise ValueError("node_slowdown: a table of node id -> factor > 0")
+        if self.reject_on_current_load and self.heartbeat_interval_s <= 0:
+            raise ValueError("reject_on_current_load needs heartbeat_interval_s > 0: "
+                             "current load is what nodes report")

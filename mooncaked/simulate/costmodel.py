@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from roles.scheduling import (DecodeEstimator, FlopsPrefillEstimator, ModelShape,
                               PolynomialPrefillEstimator, PrefillEstimator)
+from roles.scheduling.estimators import POLY_TERMS
 
 from .config import HardwareProfile
 
@@ -31,11 +32,48 @@ class CostModel:
         self._poly = PolynomialPrefillEstimator(profile.poly) if profile.poly else None
 
     def prefill_estimator(self) -> PrefillEstimator:
-        """The estimator the scheduler uses: the cost model's own formula."""
+        """The "exact" scheduler's estimator: the cost model's own formula."""
         if self.profile.poly:
             return PolynomialPrefillEstimator(self.profile.poly)
         return FlopsPrefillEstimator(self.shape, self.profile.gpu_flops,
                                      self.profile.prefill_efficiency)
+
+    def prefill_poly(self) -> dict[str, float]:
+        """The prefill cost as polynomial coefficients (POLY_TERMS).
+
+        flops(N) - flops(p) with n = N - p is l(a d (n^2 + 2 n p) + b d^2 n),
+        so the FLOP model is exactly the polynomial's n2, np and n terms; the
+        per-chunk overhead ceil(n / chunk) x o is approximated by o + o/chunk x n.
+        """
+        if self.profile.poly:
+            return {t: float(self.profile.poly.get(t, 0.0)) for t in POLY_TERMS}
+        p = self.profile
+        rate = p.gpu_flops * p.prefill_efficiency
+        sh = self.shape
+        ovh = p.prefill_chunk_overhead_s
+        return {"c0": ovh, "n": sh.layers * sh.b * sh.d_model ** 2 / rate + ovh / self.chunk_tokens,
+                "n2": sh.layers * sh.a * sh.d_model / rate,
+                "np": 2 * sh.layers * sh.a * sh.d_model / rate, "p": 0.0}
+
+    def learned_prefill_estimator(self, prior_scale: float) -> PolynomialPrefillEstimator:
+        """The "learned" scheduler's estimator: the polynomial the conductor uses,
+        started at `prior_scale` x the true cost and refitted online (as the
+        conductor does, every 8 measured prefills) from what it is told."""
+        prior = {t: c * prior_scale for t, c in self.prefill_poly().items()}
+        return PolynomialPrefillEstimator(prior, refit_every=8)
+
+    def decode_estimator(self) -> DecodeEstimator:
+        """The "exact" scheduler's TBT model: the truth's coefficients, never refitted
+        (its own instance: the scheduler's feedback must not move the truth)."""
+        d = self.decode_est
+        return ExactDecodeEstimator(d.c0, d.c_batch, d.c_ctx)
+
+    def learned_decode_estimator(self, prior_scale: float) -> DecodeEstimator:
+        """The "learned" scheduler's TBT model: `prior_scale` x the truth,
+        refitted on the decode steps nodes report."""
+        d = self.decode_est
+        return DecodeEstimator(d.c0 * prior_scale, d.c_batch * prior_scale,
+                               d.c_ctx * prior_scale, refit_every=16)
 
     def prefill_s(self, prompt: int, prefix: int) -> float:
         """Time to prefill tokens [prefix, prompt) in chunks on one node.
@@ -67,3 +105,10 @@ class CostModel:
 
     def transfer_s(self, nbytes: int) -> float:
         return nbytes / self.transfer_Bps
+
+
+class ExactDecodeEstimator(DecodeEstimator):
+    """The cost model's decode formula, deaf to feedback: nothing to learn."""
+
+    def observe(self, batch: int, context_tokens: int, seconds: float) -> None:
+        return

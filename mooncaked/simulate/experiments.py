@@ -17,6 +17,20 @@ NODES = 16
 # the decode-heavier what-if of Fig. 15.
 CONVERSATION_OUTPUT_SCALE = 343 / 149
 
+# What the scheduler knows (docs/simulation.md, "Learned estimators").
+# "exact": the cost model's formulas, instant events, no reports.
+# "learned": estimators fitted only on measurements (prior 2x off), each
+# measurement x a mean-one lognormal (sigma 0.2), one prefill node 1.5x and
+# one decode node 1.3x slower than modelled, load reports every 1 s that
+# arrive 0.25 s late (the nodes' default heartbeat), cache events 0.5 s late.
+LEARNED = dict(estimators="learned", learned_prior_scale=2.0, noise_sigma=0.2,
+               node_slowdown={"p0": 1.5, "d0": 1.3}, heartbeat_interval_s=1.0,
+               heartbeat_delay_s=0.25, event_delay_s=0.5)
+BASES: dict[str, dict] = {"exact": {}, "learned": LEARNED}
+
+# Prediction-error figures carried into the figure tables.
+ERROR_KEYS = ("ttft_mean_s", "ttft_mean_abs_s", "ttft_p90_abs_s", "ttft_mean_abs_over_p50")
+
 
 @dataclass
 class FigureData:
@@ -38,17 +52,23 @@ def _run(trace: list[TraceRequest], **kw) -> dict:
     return run_simulation(cfg, reqs).summary
 
 
-def fig5(trace: list[TraceRequest]) -> FigureData:
-    """Average TTFT per scheduling policy (paper Fig. 5, Conversation)."""
+def _errors(s: dict) -> dict:
+    return {k: s["prediction_error"][k] for k in ERROR_KEYS}
+
+
+def fig5(trace: list[TraceRequest], basis: str = "exact") -> FigureData:
+    """Average TTFT per scheduling policy (paper Fig. 5, Conversation), on a
+    scheduler that knows the cost model ("exact") or learns it ("learned")."""
     paper = {"random": 19.65, "load_balance": 5.27, "local_cache_aware": 3.58,
              "mooncake": 3.07}
     res = {}
     for rs in (1.0, 1.5):
-        res[str(rs)] = {p: _run(trace, prefill=8, decode=8, policy=p, rate_scale=rs)
-                        for p in paper}
+        res[str(rs)] = {p: _run(trace, prefill=8, decode=8, policy=p, rate_scale=rs,
+                                **BASES[basis]) for p in paper}
     return FigureData({
-        "paper_avg_ttft_s": paper,
-        "ours": {rs: {p: {k: s[k] for k in ("ttft_avg_s", "ttft_p90_s", "hit_rate")}
+        "basis": basis, "paper_avg_ttft_s": paper,
+        "ours": {rs: {p: {**{k: s[k] for k in ("ttft_avg_s", "ttft_p90_s", "hit_rate")},
+                          "prediction_error": _errors(s)}
                       for p, s in v.items()} for rs, v in res.items()}})
 
 
@@ -228,18 +248,103 @@ def capacity(trace: list[TraceRequest],
                        for name, runs in res.items()})
 
 
-def peers(trace: list[TraceRequest]) -> FigureData:
+def peers(trace: list[TraceRequest], basis: str = "exact") -> FigureData:
     """Algorithm 1 against peer routers, same cluster and trace."""
     pols = ["mooncake", "local_cache_aware", "sglang_cache_aware", "dynamo_kv",
             "llmd_weighted", "load_balance"]
     runs = {"1.0": dict(rate_scale=1.0), "2.0": dict(rate_scale=2.0),
             "2.0+reject": dict(rate_scale=2.0, reject=True)}
-    res = {name: {p: _run(trace, prefill=8, decode=8, policy=p, **kw) for p in pols}
+    res = {name: {p: _run(trace, prefill=8, decode=8, policy=p, **kw, **BASES[basis])
+                  for p in pols}
            for name, kw in runs.items()}
     keys = ("ttft_avg_s", "ttft_p90_s", "hit_rate", "effective_capacity",
             "transferred_token_share", "rejected")
-    return FigureData({rs: {p: {k: s[k] for k in keys} for p, s in v.items()}
-                       for rs, v in res.items()})
+    numbers: dict = {rs: {p: {**{k: s[k] for k in keys}, "prediction_error": _errors(s)}
+                          for p, s in v.items()}
+                     for rs, v in res.items()}
+    numbers["basis"] = basis
+    return FigureData(numbers)
+
+
+def mooncake_margin(runs: dict[str, dict], key: str = "ttft_avg_s") -> dict:
+    """Mooncake's lead over the best other policy of one run: (best - ours) / best
+    (> 0: mooncake is better by that share; lower `key` is better)."""
+    others = {p: s[key] for p, s in runs.items() if p != "mooncake"}
+    best = min(others, key=others.get)
+    ours = runs["mooncake"][key]
+    return {"best_other": best, "margin": (others[best] - ours) / others[best]}
+
+
+def oscillation(trace: list[TraceRequest], prefill: int = 12, decode: int = 1,
+                rate_scale: float = 4.0, tbt_slo_ms: float = 40.0, basis: str = "learned",
+                sample_interval_s: float = 1.0) -> FigureData:
+    """Early rejection on current load vs on predicted load, under overload.
+
+    The paper's experiment: rejecting on the decode nodes' *current* load
+    lags the load by a prefill (work accepted now reaches decode one TTFT
+    later), so admission swings between too much and nothing, and the
+    prefill and decode loads oscillate; predicting each decode node's load
+    at the moment the request will join it damps that. The cluster is
+    chosen decode-bound (few decode nodes, a tight TBT SLO) and run at
+    `rate_scale` x the trace rate. Load variance is taken over the middle
+    80% of the run (skipping fill and drain).
+    """
+    tr = rescale(trace, rate_scale=rate_scale)
+    variants = {"current_load": True, "predicted_load": False}
+    numbers: dict = {"prefill": prefill, "decode": decode, "rate_scale": rate_scale,
+                     "tbt_slo_ms": tbt_slo_ms, "basis": basis, "variants": {}}
+    series: dict = {}
+    for name, naive in variants.items():
+        cfg = SimConfig(prefill=prefill, decode=decode, policy="mooncake", reject=True,
+                        tbt_slo_ms=tbt_slo_ms, reject_on_current_load=naive,
+                        sample_interval_s=sample_interval_s,
+                        **{"heartbeat_interval_s": 1.0, **BASES[basis]})
+        res = run_simulation(cfg, tr)
+        numbers["variants"][name] = {**load_stats(res), **_admission(res, cfg)}
+        series[name] = {**res.load, "admitted_per_s": _admitted_per_interval(
+            res, sample_interval_s, len(res.load["times_s"]))}
+    return FigureData(numbers, series)
+
+
+def load_stats(res: SimResult) -> dict:
+    """Mean, standard deviation and coefficient of variation of the decode step
+    time, decode batch and prefill backlog over the middle 80% of the run."""
+    load = res.load
+    n = len(load["times_s"])
+    out = {}
+    for key in ("decode_step_s", "decode_batch", "prefill_backlog_s"):
+        xs = load[key][n // 10: n - n // 10] or load[key]
+        mean = sum(xs) / len(xs) if xs else 0.0
+        std = (sum((x - mean) ** 2 for x in xs) / len(xs)) ** 0.5 if xs else 0.0
+        out[key] = {"mean": mean, "std": std, "cv": std / mean if mean > 0 else 0.0}
+    return out
+
+
+def _admission(res: SimResult, cfg: SimConfig) -> dict:
+    """Accepted, rejected, and the share of accepted requests within both SLOs."""
+    s = res.summary
+    ok = sum(1 for r in res.requests if "ttft_s" in r and r["ttft_s"] <= cfg.ttft_slo_s
+             and r["tbt_s"] <= cfg.tbt_slo_ms / 1000)
+    # the scheduler admits on the mean step time it predicts; the paper's TBT
+    # is the mean of a request's longest 10% intervals, so both are given
+    ok_mean = sum(1 for r in res.requests if "ttft_s" in r and r["ttft_s"] <= cfg.ttft_slo_s
+                  and r["tbt_mean_s"] <= cfg.tbt_slo_ms / 1000)
+    span = s["simulated_seconds"]
+    return {"requests": s["requests"], "rejected": s["rejected"],
+            "rejections": s["rejections"], "served": s["served"],
+            "accepted_in_slo": ok / s["served"] if s["served"] else 0.0,
+            "accepted_in_slo_mean_tbt": ok_mean / s["served"] if s["served"] else 0.0,
+            "goodput_req_s": ok / span if span > 0 else 0.0,
+            "prediction_error": _errors(s)}
+
+
+def _admitted_per_interval(res: SimResult, interval: float, n: int) -> list[float]:
+    """Requests admitted per second in each sampling interval (by arrival)."""
+    counts = [0] * max(1, n)
+    for r in res.requests:
+        if "ttft_s" in r:
+            counts[min(len(counts) - 1, int(r["arrival_s"] // interval))] += 1
+    return [c / interval for c in counts]
 
 
 def bandwidth(trace: list[TraceRequest]) -> FigureData:

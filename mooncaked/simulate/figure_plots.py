@@ -16,6 +16,12 @@ from .plots import replica_heatmap, save_png  # noqa: E402
 TBT_SLOS = tuple(f"tbt_{int(slo)}ms" for slo in TBT_SLOS_MS)
 
 
+def _suffix(data: FigureData) -> str:
+    """File-name suffix of a figure rerun on the learned basis (none for exact)."""
+    basis = data.numbers.get("basis", "exact")
+    return "" if basis == "exact" else f"_{basis}"
+
+
 def plot_fig5(data: FigureData, out: Path) -> None:
     paper = data.numbers["paper_avg_ttft_s"]
     ours = data.numbers["ours"]
@@ -25,11 +31,12 @@ def plot_fig5(data: FigureData, out: Path) -> None:
     ax[0].set_title("paper (Conversation trace)")
     for i, rs in enumerate(("1.0", "1.5")):
         ax[i + 1].bar(names, [ours[rs][n]["ttft_avg_s"] for n in names])
-        ax[i + 1].set_title(f"ours (Synthetic, 8P+8D, rate x{rs})")
+        ax[i + 1].set_title(f"ours (Synthetic, 8P+8D, rate x{rs}, "
+                            f"{data.numbers.get('basis', 'exact')} estimators)", fontsize=9)
     for a in ax:
         a.set_ylabel("average TTFT (s)")
         a.tick_params(axis="x", rotation=20)
-    save_png(fig, out / "sim_fig5_policies.png")
+    save_png(fig, out / f"sim_fig5_policies{_suffix(data)}.png")
 
 
 def plot_fig9(data: FigureData, out: Path) -> None:
@@ -129,7 +136,7 @@ def plot_capacity(data: FigureData, out: Path) -> None:
 
 
 def plot_peers(data: FigureData, out: Path) -> None:
-    res = data.numbers
+    res = {k: v for k, v in data.numbers.items() if k != "basis"}
     fig, ax = plt.subplots(1, 3, figsize=(15, 3.6))
     for i, rs in enumerate(res):
         pols = list(res[rs])
@@ -141,9 +148,10 @@ def plot_peers(data: FigureData, out: Path) -> None:
         ax[i].set_xticks(list(x), pols, rotation=20, fontsize=8)
         ax[i].set_yscale("log")
         ax[i].set_ylabel("seconds")
-        ax[i].set_title(f"Synthetic x{rs}, 8P+8D")
+        ax[i].set_title(f"Synthetic x{rs}, 8P+8D", fontsize=9)
         ax[i].legend(fontsize=8)
-    save_png(fig, out / "sim_peers.png")
+    fig.suptitle(f"{data.numbers.get('basis', 'exact')} estimators", fontsize=9)
+    save_png(fig, out / f"sim_peers{_suffix(data)}.png")
 
 
 def plot_bandwidth(data: FigureData, out: Path) -> None:
@@ -154,3 +162,31 @@ def plot_bandwidth(data: FigureData, out: Path) -> None:
     ax.set_ylabel("avg TTFT (s)")
     ax.grid(alpha=0.3)
     save_png(fig, out / "sim_bandwidth.png")
+
+
+def plot_oscillation(data: FigureData, out: Path) -> None:
+    """Decode load, prefill load and admissions over time, per rejection rule."""
+    d = data.numbers
+    labels = {"current_load": "reject on current load",
+              "predicted_load": "reject on predicted load (at join)"}
+    fig, ax = plt.subplots(3, 1, figsize=(11, 7.5), sharex=True)
+    for name, ser in data.series.items():
+        st = d["variants"][name]
+        t = ser["times_s"]
+        ax[0].plot(t, [x * 1e3 for x in ser["decode_step_s"]], lw=0.9,
+                   label=f"{labels[name]} (CV {st['decode_step_s']['cv']:.2f})")
+        ax[1].plot(t, ser["prefill_backlog_s"], lw=0.9,
+                   label=f"{labels[name]} (CV {st['prefill_backlog_s']['cv']:.2f})")
+        ax[2].plot(t, ser["admitted_per_s"][:len(t)], lw=0.9, label=labels[name])
+    ax[0].axhline(d["tbt_slo_ms"], color="k", ls="--", lw=0.8, label="TBT SLO")
+    ax[0].set_ylabel("decode step (ms)")
+    ax[1].set_ylabel("prefill backlog per node (s)")
+    ax[2].set_ylabel("admitted req/s")
+    ax[2].set_xlabel("simulated time (s)")
+    for a in ax:
+        a.legend(fontsize=7, loc="upper right")
+        a.grid(alpha=0.3)
+    fig.suptitle(f"early rejection under overload: {d['prefill']}P+{d['decode']}D, Synthetic "
+                 f"x{d['rate_scale']}, TBT SLO {d['tbt_slo_ms']:.0f} ms, {d['basis']} estimators",
+                 fontsize=9)
+    save_png(fig, out / f"sim_oscillation{_suffix(data)}.png")

@@ -12,6 +12,7 @@ import argparse
 import json
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from . import experiments as ex
@@ -30,6 +31,12 @@ FIGURES: dict[str, tuple[Experiment, Renderer]] = {
     "capacity": (ex.capacity, fp.plot_capacity),
     "peers": (ex.peers, fp.plot_peers),
     "bandwidth": (ex.bandwidth, fp.plot_bandwidth),
+    # the same on a scheduler that learns from measurements (experiments.LEARNED)
+    "fig5_learned": (partial(ex.fig5, basis="learned"), fp.plot_fig5),
+    "peers_learned": (partial(ex.peers, basis="learned"), fp.plot_peers),
+    # early rejection on current vs predicted load (the paper's oscillation)
+    "oscillation": (partial(ex.oscillation, basis="exact"), fp.plot_oscillation),
+    "oscillation_learned": (partial(ex.oscillation, basis="learned"), fp.plot_oscillation),
 }
 
 

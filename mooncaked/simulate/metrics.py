@@ -49,7 +49,32 @@ class FinishedRun(Protocol):
     decodes: dict[str, DecodeNode]
     hot: list[int]  # the sampled hot keys, hottest first
     replica_samples: list[tuple[float, list[int]]]  # (time, holders per hot key)
+    # (time, mean prefill backlog s, mean decode batch, mean decode step s)
+    load_samples: list[tuple[float, float, float, float]]
     transfer_bytes: int
+
+
+def prediction_error(rows: list[dict]) -> dict:
+    """How far the scheduler's predictions were from what happened, per served request.
+
+    TTFT: predicted at dispatch vs measured (first token - arrival); TBT:
+    predicted at dispatch vs the request's mean token interval. Signed
+    means are predicted - actual (negative: optimistic). The mean absolute
+    TTFT error is also given relative to the measured TTFT p50 (issue 14's
+    yardstick).
+    """
+    ttft = [r["predicted_ttft_s"] - r["ttft_s"] for r in rows if "ttft_s" in r]
+    tbt = [r["predicted_tbt_s"] - r["tbt_mean_s"] for r in rows
+           if "ttft_s" in r and r["tbt_mean_s"] > 0]
+    p50 = pct([r["ttft_s"] for r in rows if "ttft_s" in r], 0.5)
+    out = {"count": len(ttft)}
+    for name, errs in (("ttft", ttft), ("tbt", tbt)):
+        n = len(errs)
+        out[f"{name}_mean_s"] = sum(errs) / n if n else 0.0
+        out[f"{name}_mean_abs_s"] = sum(abs(e) for e in errs) / n if n else 0.0
+        out[f"{name}_p90_abs_s"] = pct([abs(e) for e in errs], 0.9)
+    out["ttft_mean_abs_over_p50"] = out["ttft_mean_abs_s"] / p50 if p50 > 0 else 0.0
+    return out
 
 
 def build_result(sim: FinishedRun, wall_s: float) -> SimResult:
@@ -73,6 +98,8 @@ def build_result(sim: FinishedRun, wall_s: float) -> SimResult:
         row.update(ttft_s=ttft, tbt_s=tbt, prefill=d.prefill_node, decode=d.decode_node,
                    prefix_tokens=r.prefix_tokens, local_prefix_tokens=r.local_prefix_tokens,
                    transferred_tokens=r.transferred_tokens, predicted_ttft_s=d.predicted_ttft_s,
+                   predicted_tbt_s=d.predicted_tbt_s,
+                   tbt_mean_s=sum(r.intervals) / len(r.intervals) if r.intervals else 0.0,
                    prefill_s=r.prefill_s)
         rows.append(row)
         ttfts.append(ttft)
@@ -111,6 +138,7 @@ def build_result(sim: FinishedRun, wall_s: float) -> SimResult:
         "prefill_compute_saved": 1 - used_s / full_s if full_s else 0.0,
         "effective_capacity": effective,
         "estimator_error": sim.scheduler.estimator_error(),
+        "prediction_error": prediction_error(rows),
         # Decode-side load, to tell whether decode ever binds (P/D ratio):
         # the largest batch any decode node ran, and the mean share of the
         # run its nodes spent stepping (a node steps whenever it holds work).
@@ -130,4 +158,8 @@ def build_result(sim: FinishedRun, wall_s: float) -> SimResult:
     replicas = {"hot_keys": len(sim.hot), "prefill_nodes": len(sim.prefills),
                 "times_s": [t for t, _ in sim.replica_samples],
                 "counts": [c for _, c in sim.replica_samples]}
-    return SimResult(asdict(cfg), summary, rows, replicas, nodes)
+    load = {"times_s": [s[0] for s in sim.load_samples],
+            "prefill_backlog_s": [s[1] for s in sim.load_samples],
+            "decode_batch": [s[2] for s in sim.load_samples],
+            "decode_step_s": [s[3] for s in sim.load_samples]}
+    return SimResult(asdict(cfg), summary, rows, replicas, nodes, load)

@@ -35,6 +35,8 @@ class Req:
     intervals: list[float] = field(default_factory=list)
     done_at: float = -1.0
     pinned: tuple[int, ...] = ()  # keys pinned on its prefill node until the first token
+    pulled: tuple[int, ...] = ()  # keys its prefix pull really moves (the source may
+    # have evicted some the scheduler's index still lists)
     # colocated: next position to prefill
     pos: int = 0
 
@@ -47,7 +49,12 @@ class PrefillNode:
         self.store = store
         self.queue: deque[Req] = deque()
         self.busy = False
+        self.running: Req | None = None  # the prefill in progress
         self.wake_at = math.inf  # earliest WAKE already scheduled; inf: none
+        # The node's own throughput figure for its load report, as a real
+        # prefill node keeps it: an EWMA of measured computed tokens per
+        # second; None until it has measured a prefill.
+        self.tokens_per_s: float | None = None
         self.busy_s = 0.0
         self.served = 0
 
@@ -64,6 +71,9 @@ class DecodeNode:
         self.busy_s = 0.0
         self.steps = 0
         self.max_batch = 0
+        # the last measured steps (step number, batch, context, seconds), for
+        # the load report
+        self.recent_steps: deque[tuple[int, int, int, float]] = deque(maxlen=16)
         # colocated only
         self.prefills: deque[Req] = deque()
         self.cur: Req | None = None
@@ -71,14 +81,16 @@ class DecodeNode:
 
 @dataclass
 class SimResult:
-    """A finished run: the config, the summary, one row per request, replicas, per-node load."""
+    """A finished run: the config, the summary, one row per request, replicas,
+    per-node totals and the load over time (mean per node, every sample_interval_s)."""
 
     config: dict
     summary: dict
     requests: list[dict]
     replicas: dict
     nodes: dict
+    load: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"config": self.config, "summary": self.summary, "replicas": self.replicas,
-                "nodes": self.nodes, "requests": self.requests}
+                "nodes": self.nodes, "load": self.load, "requests": self.requests}

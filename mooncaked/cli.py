@@ -40,6 +40,12 @@ def node(
     port: Optional[int] = typer.Option(None, "--port", help="Port to listen on, 0 = any free [node.port]."),
     conductor: Optional[str] = typer.Option(
         None, "--conductor", help="Conductor URL for prefill/decode nodes [node.conductor_url]."),
+    etcd: Optional[str] = typer.Option(
+        None, "--etcd",
+        help="etcd endpoints host:port[,host:port...] [etcd.endpoints]: node records under "
+             "leases and conductor leader election in etcd; workers then find the leading "
+             "conductor there instead of --conductor, and several conductors can run "
+             "(standbys forward to the leader). See docs/etcd.md."),
     model: Optional[str] = typer.Option(None, "--model", help="dummy, a named dummy config or a checkpoint dir [model.model]."),
     node_id: Optional[str] = typer.Option(None, "--node-id", help="Name to register under [node.node_id]."),
     served_model_name: Optional[str] = typer.Option(
@@ -69,7 +75,8 @@ def node(
     try:
         cfg = load_config(config_file=config, overrides=overrides, flags={
             "node.role": role, "node.host": host, "node.port": port,
-            "node.conductor_url": conductor, "node.node_id": node_id, "model.model": model,
+            "node.conductor_url": conductor, "etcd.endpoints": etcd, "node.node_id": node_id,
+            "model.model": model,
             "conductor.served_model_name": served_model_name})
     except ConfigError as exc:
         raise fail(str(exc)) from None

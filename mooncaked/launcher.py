@@ -33,6 +33,9 @@ from typing import Callable, Optional
 
 import typer
 
+from mooncaked.etcd_process import EtcdProcess
+from mooncaked.placement import (CONDUCTOR, DECODE, PREFILL, NodePlacement, Placement, parse_cpus,
+                                 place)
 from mooncaked.supervisor import CrashLoop, RestartPolicy, RestartTracker
 
 
@@ -82,6 +85,7 @@ class Child:
     args: list[str] = field(default_factory=list)
     env: dict[str, str] | None = None
     cwd: Path | None = None
+    cpus: frozenset[int] | None = None   # CPU affinity (mooncaked.placement); None: any
 
     @property
     def url(self) -> str:
@@ -118,7 +122,8 @@ class Child:
 
     def respawn(self) -> Child:
         """The same node started again: same command line (port, node id), same log."""
-        return spawn(self.name, self.role, self.port, self.args, self.log_path, self.env, self.cwd)
+        return spawn(self.name, self.role, self.port, self.args, self.log_path, self.env, self.cwd,
+                     self.cpus)
 
     def terminate(self, timeout: float = 20.0) -> int:
         """SIGTERM (a graceful stop) and wait: the exit code."""
@@ -133,8 +138,16 @@ class Child:
 
 
 def spawn(name: str, role: str, port: int, args: list[str], log_path: Path,
-          env: dict[str, str] | None = None, cwd: Path | None = None) -> Child:
-    """Start ``mooncaked <args>`` with its output appended to ``log_path``."""
+          env: dict[str, str] | None = None, cwd: Path | None = None,
+          cpus: frozenset[int] | None = None) -> Child:
+    """Start ``mooncaked <args>`` with its output appended to ``log_path``,
+    pinned to ``cpus`` when given."""
+
+    def before_exec() -> None:
+        _die_with_parent()
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+
     # Oversubscribed OpenMP threads that spin while waiting steal the cores
     # the other nodes compute on: make idle ones sleep instead.
     full_env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
@@ -142,8 +155,8 @@ def spawn(name: str, role: str, port: int, args: list[str], log_path: Path,
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(mooncaked_cmd(*args), stdout=log, stderr=subprocess.STDOUT,
                                 env=full_env, cwd=cwd, stdin=subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=_die_with_parent)
-    return Child(name, role, port, log_path, proc, list(args), env, cwd)
+                                start_new_session=True, preexec_fn=before_exec)
+    return Child(name, role, port, log_path, proc, list(args), env, cwd, cpus)
 
 
 def log_to_stderr(line: str) -> None:
@@ -166,8 +179,16 @@ class LocalCluster:
     role_of_workers: tuple[str, str] = ("prefill", "decode")
     # Nodes in one Chunked Pipeline Parallelism prefill group (0 = none).
     cpp_group: int = 0
+    # --etcd: an etcd of our own, node records and leader election in it,
+    # ``conductors`` conductors (one leads, the others stand by and forward).
+    etcd: bool = False
+    conductors: int = 1
+    etcd_process: Optional[EtcdProcess] = None
     # How ``poll_restarts`` treats a node that died; None: any exit is fatal.
     restart_policy: Optional[RestartPolicy] = field(default_factory=RestartPolicy)
+    # CPU sets and torch threads per node (mooncaked.placement); None: every
+    # node may run anywhere, with an equal share of threads.
+    placement: Optional[Placement] = None
     children: list[Child] = field(default_factory=list)
     _trackers: dict[str, RestartTracker] = field(default_factory=dict, init=False, repr=False)
     # Nodes that exited 0 (stopped on purpose): not restarted, as on-failure.
@@ -184,11 +205,36 @@ class LocalCluster:
     def url(self) -> str:
         return self.conductor.url
 
+    @property
+    def conductor_children(self) -> list[Child]:
+        return self.children[:self.conductors]
+
+    @property
+    def workers(self) -> list[Child]:
+        return self.children[self.conductors:]
+
+    def leader_url(self) -> str:
+        """The conductor that leads (etcd): the one whose status says so."""
+        if not self.etcd:
+            return self.url
+        for child in self.conductor_children:
+            try:
+                _, status = http_json(child.url + "/admin/status", timeout=1.0)
+            except (urllib.error.URLError, OSError):
+                continue
+            if status.get("election", {}).get("role") == "leader":
+                return child.url
+        raise RuntimeError("no conductor leads")
+
     def threads_per_worker(self) -> int:
         workers = max(1, self.prefill + self.decode + self.cpp_group)
         return max(1, (os.cpu_count() or 1) // workers)
 
-    def _spawn(self, name: str, role: str, extra: list[str], port: int = 0) -> Child:
+    def _placed(self, role: str, index: int) -> NodePlacement | None:
+        return self.placement.of(role, index) if self.placement is not None else None
+
+    def _spawn(self, name: str, role: str, extra: list[str], port: int = 0,
+               placed: NodePlacement | None = None) -> Child:
         assert self.log_dir is not None
         port = port or free_port()
         cmd = ["--role", role, "--host", "127.0.0.1", "--port", str(port), "--node-id", name]
@@ -198,11 +244,15 @@ class LocalCluster:
             cmd += ["--config", self.config]
         # The nodes share this machine's cores: by default each worker gets an
         # equal share of torch threads (an explicit --set comes later and wins).
-        cmd += ["--set", f"model.torch_threads={self.threads_per_worker()}"]
+        threads = placed.threads if placed is not None else self.threads_per_worker()
+        cmd += ["--set", f"model.torch_threads={threads}"]
+        if self.etcd_process is not None:
+            cmd += ["--set", f"etcd.endpoints={self.etcd_process.endpoint}"]
         for item in self.overrides:
             cmd += ["--set", item]
         cmd += extra
-        child = spawn(name, role, port, cmd, self.log_dir / f"{name}.log")
+        child = spawn(name, role, port, cmd, self.log_dir / f"{name}.log",
+                      cpus=placed.cpus if placed is not None else None)
         self.children.append(child)
         return self._started(child, time.monotonic())
 
@@ -224,31 +274,52 @@ class LocalCluster:
         if self.log_dir is None:
             self.log_dir = Path(tempfile.mkdtemp(prefix="mooncaked-up-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._spawn("conductor", "conductor", [], port=self.port)
+        if self.etcd:
+            self._start_etcd()
+        self._spawn("conductor", "conductor", [], port=self.port,
+                    placed=self._placed(CONDUCTOR, 0))
+        for i in range(1, self.conductors):
+            self._spawn(f"conductor-{i}", "conductor", [], placed=self._placed(CONDUCTOR, 0))
         deadline = time.monotonic() + timeout_s
-        self._wait_ready(self.conductor, deadline)
-        worker_roles: list[tuple[str, str, list[str]]] = []
+        for child in self.conductor_children:
+            self._wait_ready(child, deadline)
+        worker_roles: list[tuple[str, str, list[str], NodePlacement | None]] = []
         for i in range(self.prefill):
-            worker_roles.append((f"{self.role_of_workers[0]}-{i}", self.role_of_workers[0], []))
+            worker_roles.append((f"{self.role_of_workers[0]}-{i}", self.role_of_workers[0], [],
+                                 self._placed(PREFILL, i)))
         for i in range(self.decode):
-            worker_roles.append((f"decode-{i}", "decode", []))
+            worker_roles.append((f"decode-{i}", "decode", [], self._placed(DECODE, i)))
         for stage in range(self.cpp_group):
             worker_roles.append((f"cpp0-s{stage}", "prefill", [
                 "--set", "prefill.cpp_group=cpp0", "--set", f"prefill.cpp_stage={stage}",
-                "--set", f"prefill.cpp_stages={self.cpp_group}"]))
-        for name, role, extra in worker_roles:
-            self._spawn(name, role, ["--conductor", self.url, *extra])
-        for child in self.children[1:]:
+                "--set", f"prefill.cpp_stages={self.cpp_group}"],
+                self._placed(PREFILL, self.prefill + stage)))
+        for name, role, extra, placed in worker_roles:
+            # With etcd the workers find the leading conductor there.
+            self._spawn(name, role, ([] if self.etcd else ["--conductor", self.url]) + extra,
+                        placed=placed)
+        for child in self.workers:
             self._wait_ready(child, deadline)
         self._wait_registered(deadline)
+
+    def _start_etcd(self) -> None:
+        """Our own single-member etcd, its data in the cluster's log dir."""
+        assert self.log_dir is not None
+        self.etcd_process = EtcdProcess(self.log_dir / "etcd-data", self.log_dir / "etcd.log")
+        self.etcd_process.start()
 
     def _wait_ready(self, child: Child, deadline: float) -> None:
         child.wait_ready(deadline - time.monotonic())
 
     def _wait_registered(self, deadline: float) -> None:
-        expected = {c.name for c in self.children[1:]}
+        expected = {c.name for c in self.workers}
         while time.monotonic() < deadline:
-            _, status = http_json(self.url + "/admin/status")
+            try:
+                url = self.leader_url()
+            except RuntimeError:
+                time.sleep(0.1)
+                continue
+            _, status = http_json(url + "/admin/status")
             if expected <= {p["node_id"] for p in status.get("peers", [])}:
                 return
             time.sleep(0.1)
@@ -315,7 +386,7 @@ class LocalCluster:
         """Workers first (they deregister), then the conductor; SIGKILL stragglers."""
         with self._lock:  # no restart from here on
             self._stopping = True
-        for group in (self.children[1:], self.children[:1]):
+        for group in (self.workers, self.conductor_children):
             for child in group:
                 if child.proc.poll() is None:
                     child.proc.send_signal(signal.SIGTERM)
@@ -326,6 +397,8 @@ class LocalCluster:
                 except subprocess.TimeoutExpired:
                     child.proc.kill()
                     child.proc.wait()
+        if self.etcd_process is not None:  # last: the conductors revoke their leases in it
+            self.etcd_process.stop()
 
 
 DEFAULT_RESTART_POLICY = RestartPolicy()
@@ -337,6 +410,22 @@ def _restart_help(p: RestartPolicy) -> str:
             f"{p.backoff_max_s:g} s, each restart logged on stderr; exit 1 when one node exits "
             f"{p.crash_loop_restarts} times within {p.crash_loop_window_s:g} s. "
             "--no-restart: the first exit of any node stops the cluster.")
+
+
+def _placement(mode: str, cluster: LocalCluster, cpus_prefill: Optional[str],
+               cpus_decode: Optional[str]) -> Placement | None:
+    """``up``'s CPU placement: None leaves every node unpinned."""
+    if mode not in ("auto", "none"):
+        raise ValueError(f"--placement: expected auto or none, got {mode!r}")
+    if mode == "none":
+        if cpus_prefill or cpus_decode:
+            raise ValueError("--cpus-prefill/--cpus-decode need --placement auto")
+        return None
+    # Colocated nodes (cluster.decode == 0) run both roles in one process:
+    # nothing to separate, each may use every core.
+    return place(os.sched_getaffinity(0), cluster.prefill + cluster.cpp_group, cluster.decode,
+                 parse_cpus(cpus_prefill) if cpus_prefill else None,
+                 parse_cpus(cpus_decode) if cpus_decode else None)
 
 
 def register(app: typer.Typer) -> None:
@@ -361,6 +450,27 @@ def register(app: typer.Typer) -> None:
         restart: bool = typer.Option(
             True, "--restart/--no-restart",
             help=_restart_help(DEFAULT_RESTART_POLICY)),
+        etcd: bool = typer.Option(
+            False, "--etcd",
+            help="Keep the cluster's metadata in an etcd of its own (the `etcd` binary on PATH; "
+                 "Debian package etcd-server), data in the log dir: node records under leases, "
+                 "conductor leader election; workers find the leader in etcd (docs/etcd.md)."),
+        conductors: int = typer.Option(
+            1, "--conductors", min=1,
+            help="Number of conductors (more than one needs --etcd): one leads, the others stand "
+                 "by and forward the API to it; if the leader dies a standby takes over within "
+                 "about etcd.lease_ttl_s. Every conductor's API URL is printed."),
+        placement: str = typer.Option(
+            "auto", "--placement",
+            help="auto: prefill and decode nodes on disjoint CPU sets of this machine (CPU "
+                 "affinity, torch threads to match), as separate hosts would be; the conductor "
+                 "on the decode set. none: every node may use every core. The placement is "
+                 "printed at start; --set model.torch_threads=N still wins for threads."),
+        cpus_prefill: Optional[str] = typer.Option(
+            None, "--cpus-prefill", help="CPUs for the prefill nodes, e.g. 0-5 (default: by "
+                                         "--placement; with only this, decode gets the rest)."),
+        cpus_decode: Optional[str] = typer.Option(
+            None, "--cpus-decode", help="CPUs for the decode nodes and the conductor, e.g. 6,7."),
     ) -> None:
         """Run a local cluster: one conductor plus prefill and decode nodes on loopback,
         restarting a node that dies."""
@@ -370,9 +480,26 @@ def register(app: typer.Typer) -> None:
                                    [f"conductor.served_model_name={served_model_name}"]
                                    if served_model_name else []),
                                port=port, log_dir=log_dir, cpp_group=cpp_group,
-                               restart_policy=DEFAULT_RESTART_POLICY if restart else None)
+                               restart_policy=DEFAULT_RESTART_POLICY if restart else None,
+                               etcd=etcd, conductors=conductors)
+        if conductors > 1 and not etcd:
+            typer.echo("mooncaked up: --conductors above 1 needs --etcd (the conductors elect "
+                       "their leader in etcd)", err=True)
+            raise typer.Exit(2)
+        if etcd:
+            from mooncaked.etcd_process import MISSING_ETCD, find_etcd
+            if find_etcd() is None:
+                typer.echo(f"mooncaked up: {MISSING_ETCD}", err=True)
+                raise typer.Exit(2)
         if colocated:
             cluster.role_of_workers = ("colocated", "decode")
+        try:
+            cluster.placement = _placement(placement, cluster, cpus_prefill, cpus_decode)
+        except ValueError as exc:
+            typer.echo(f"mooncaked up: {exc}", err=True)
+            raise typer.Exit(2) from None
+        if cluster.placement is not None:
+            typer.echo(cluster.placement.describe(), err=True)
         stop_requested = []
 
         def on_signal(signum, frame):  # noqa: ARG001
@@ -384,8 +511,9 @@ def register(app: typer.Typer) -> None:
         try:
             typer.echo(f"starting local cluster (logs in {cluster.log_dir or 'a temp dir'}) ...", err=True)
             cluster.start()
-            typer.echo(f"cluster ready: {len(cluster.children) - 1} nodes, logs in {cluster.log_dir}", err=True)
-            typer.echo(f"API: {cluster.url}")
+            typer.echo(f"cluster ready: {len(cluster.workers)} nodes, logs in {cluster.log_dir}", err=True)
+            for child in cluster.conductor_children:
+                typer.echo(f"API: {child.url}")
             sys.stdout.flush()
             if demo:
                 from mooncaked.demo import run_demo

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Callable
 
 from kvstore.shard import StoreShard
 from mooncaked.node.internal_client import InternalCallError, InternalClient
@@ -28,17 +29,25 @@ FLUSH_TIMEOUT_S = 1.0
 
 
 class CacheEventPusher:
-    def __init__(self, shard: StoreShard, client: InternalClient, conductor_url: str,
-                 node_id: str, interval_s: float = 0.1) -> None:
+    def __init__(self, shard: StoreShard, client: InternalClient,
+                 conductor_url: str | Callable[[], str], node_id: str,
+                 interval_s: float = 0.1) -> None:
         self.shard = shard
         self.client = client
-        self.base = conductor_url.rstrip("/")
+        # A callable is read per push: with etcd the conductor moves to each new leader.
+        self._conductor_url = conductor_url
         self.node_id = node_id
         self.interval_s = interval_s
         self._need_snapshot = True
+        self._snapshot_sent_to = ""   # the conductor that has our snapshot
         self._kick = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
+
+    @property
+    def base(self) -> str:
+        url = self._conductor_url
+        return (url() if callable(url) else url).rstrip("/")
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="cache-events")
@@ -52,7 +61,7 @@ class CacheEventPusher:
         never fails the caller (the prefill is done and its KV delivered) and
         never makes it wait for a whole snapshot; a pending resync or a failed
         or slow push is left to the background loop.  True when pushed."""
-        if self._need_snapshot:
+        if self._need_snapshot or self.base != self._snapshot_sent_to:
             self.kick()
             return False
         try:
@@ -68,17 +77,23 @@ class CacheEventPusher:
             return False
 
     async def _push(self) -> None:
+        base = self.base
+        if base != self._snapshot_sent_to:
+            # Another conductor (with etcd, a newly elected leader) starts from
+            # a snapshot, even when this shard has no new events to push.
+            self._need_snapshot = True
         if self._need_snapshot:
             snap = self.shard.snapshot()
-            await self.client.call(self.base + Route.CACHE_SNAPSHOT, CacheSnapshot(
+            await self.client.call(base + Route.CACHE_SNAPSHOT, CacheSnapshot(
                 node_id=self.node_id, epoch=snap.epoch, seq=snap.seq, keys=snap.keys),
                 Ok.from_wire, what="cache snapshot")
             self._need_snapshot = False
+            self._snapshot_sent_to = base
         batch = self.shard.drain_events()
         if batch is None:
             return
         try:
-            answer = await self.client.call(self.base + Route.CACHE_EVENTS, CacheEvents(
+            answer = await self.client.call(base + Route.CACHE_EVENTS, CacheEvents(
                 node_id=self.node_id, epoch=batch.epoch, seq=batch.seq, stored=batch.stored,
                 evicted=batch.evicted, resync=batch.resync),
                 CacheEventsAck.from_wire, what="cache events")

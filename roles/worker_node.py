@@ -37,6 +37,7 @@ from model.runner import DecodeSeq, ModelRunner, configure_torch, kv_pages_view
 from model.weights import load_weights
 from mooncaked.node.config import NodeConfig
 from mooncaked.node.context import NodeContext
+from mooncaked.node.errors import StartupError
 from mooncaked.node.internal_client import InternalCallError, InternalClient
 from mooncaked.node.messages import Route, SegmentDescriptor
 from rdma.engine import TransferEngine
@@ -117,7 +118,15 @@ class WorkerNode:
             runner = ModelRunner(weights, kv_pages_view(shard.buffer, layout))
             register_store_metrics(shard, ctx.metrics)
             engine = TransferEngine(cfg.transfer, ctx.node_id)
-            await engine.start()
+            try:
+                await engine.start()
+            except (OSError, RuntimeError) as exc:  # a port in use, no RDMA for transport=rdma
+                t = cfg.transfer
+                raise StartupError(
+                    f"cannot start the transfer engine (transport {t.transport}, nics "
+                    f"{','.join(t.nics)}, ports {t.port or 'any'}+): {exc.strerror or exc}"
+                    if isinstance(exc, OSError) else
+                    f"cannot start the transfer engine (transport {t.transport}): {exc}") from None
             stack.push_async_callback(engine.close)
             region_id = engine.register_local_memory(shard.buffer, "cpu:0").id
             activations: dict[str, Any] = {}
@@ -128,7 +137,7 @@ class WorkerNode:
                     act_region_id=engine.register_local_memory(memory, "cpu:0").id)
             client = InternalClient.open(cfg.node.cluster_token)
             stack.push_async_callback(client.close)
-            engine.set_resolver(segment_resolver(client, cfg.node.conductor_url))
+            engine.set_resolver(segment_resolver(client, ctx.conductor))
             worker = cls(ctx=ctx, config=cfg, compute_pool=pool, client=client, shard=shard,
                          runner=runner, engine=engine, model_config=weights.config,
                          full_layout=full_layout, layout=layout,
@@ -164,6 +173,12 @@ class WorkerNode:
                                  "cpp_stages": pf.cpp_stages})
         ctx.status_providers["store"] = lambda: self.shard.stats().to_dict()
         ctx.status_providers["transfer"] = self.engine.stats
+        ctx.collection_sizes.append(self._collection_sizes)
+
+    def _collection_sizes(self) -> dict[str, int]:
+        transfer, store = self.engine.stats(), self.shard.stats()
+        return {"transfer_batches": transfer["batches"], "transfer_endpoints": transfer["endpoints"],
+                "store_private_pages": store.private_pages, "store_pinned_blocks": store.pinned_blocks}
 
     def _warm_up(self) -> None:
         """A short prefill and decode step through one scratch page."""
@@ -187,12 +202,13 @@ class WorkerNode:
         await self._resources.aclose()
 
 
-def segment_resolver(client: InternalClient,
-                     conductor_url: str) -> Callable[[str], Awaitable[SegmentDescriptor]]:
-    """Peers' transfer segments come from the conductor's registry."""
-    base = conductor_url.rstrip("/")
+def segment_resolver(client: InternalClient, conductor_url: str | Callable[[], str]
+                     ) -> Callable[[str], Awaitable[SegmentDescriptor]]:
+    """Peers' transfer segments come from the conductor's registry (a callable
+    URL is read per lookup: with etcd the conductor moves to each new leader)."""
 
     async def resolve(name: str) -> SegmentDescriptor:
+        base = (conductor_url() if callable(conductor_url) else conductor_url).rstrip("/")
         try:
             return await client.call(base + Route.SEGMENT.format(name=name), None,
                                      SegmentDescriptor.from_wire,

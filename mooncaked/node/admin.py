@@ -3,12 +3,18 @@
 GET  /healthz       alive (200 while the process serves HTTP)
 GET  /readyz        200 when taking new work, 503 while starting or draining
 GET  /metrics       Prometheus text format
-GET  /admin/status  role, version, uptime, config in force, peers, role details
+GET  /admin/status  role, version, uptime, config in force, peers, role details,
+                    "collections": asyncio tasks, threads and the sizes of the
+                    daemon's long-lived collections (what a soak watches)
 POST /admin/drain   stop taking new work (bearer admin_token)
 POST /admin/undrain take work again (bearer admin_token)
 """
 
 from __future__ import annotations
+
+import asyncio
+import os
+import threading
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -39,13 +45,23 @@ async def status(request: web.Request) -> web.Response:
     ctx = request.app[CTX]
     out = {
         "role": ctx.role, "node_id": ctx.node_id, "url": ctx.url, "version": __version__,
+        "pid": os.getpid(),
         "uptime_s": round(ctx.uptime_s(), 3), "ready": ctx.ready, "draining": ctx.draining,
         "config": ctx.config.redacted(),
     }
     for name, provider in ctx.status_providers.items():
         out[name] = provider()
     out.setdefault("peers", [])
+    out["collections"] = collections(ctx)
     return json_response(out)
+
+
+def collections(ctx) -> dict[str, int]:
+    """Counts that must stay bounded in a long-running daemon: O(1) each."""
+    sizes = {"asyncio_tasks": len(asyncio.all_tasks()), "threads": threading.active_count()}
+    for provider in ctx.collection_sizes:
+        sizes.update(provider())
+    return sizes
 
 
 async def drain(request: web.Request) -> web.Response:

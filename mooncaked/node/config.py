@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from kvstore.config import StoreConfig
-from mooncaked.node.sections import ConductorSection, DecodeSection, NodeSection, PrefillSection
+from mooncaked.node.sections import (ConductorSection, DecodeSection, EtcdSection, NodeSection,
+                                     PrefillSection)
 from model.config import RuntimeConfig as ModelSpec
 from rdma.config import TransferConfig
 
@@ -41,6 +42,7 @@ class NodeConfig:
     model: ModelSpec = field(default_factory=ModelSpec)
     prefill: PrefillSection = field(default_factory=PrefillSection)
     decode: DecodeSection = field(default_factory=DecodeSection)
+    etcd: EtcdSection = field(default_factory=EtcdSection)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

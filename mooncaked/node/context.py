@@ -12,6 +12,7 @@ from prometheus_client import ProcessCollector, PlatformCollector
 
 from mooncaked import __version__
 from mooncaked.node.config import NodeConfig
+from mooncaked.node.membership import ConductorLocator
 
 
 @dataclass
@@ -29,14 +30,22 @@ class NodeContext:
     metrics: CollectorRegistry = field(default_factory=lambda: CollectorRegistry(auto_describe=True))
     # Sections that roles add to /admin/status: name -> () -> JSON-able.
     status_providers: dict[str, Callable[[], Any]] = field(default_factory=dict)
+    # Sizes of the daemon's long-lived collections for /admin/status
+    # "collections" (the soak benchmark watches them): () -> {name: count}.
+    # Keep each cheap: it runs on every status request.
+    collection_sizes: list[Callable[[], dict[str, int]]] = field(default_factory=list)
     # What this node reports in heartbeats: () -> dict.
     load_providers: list[Callable[[], dict[str, Any]]] = field(default_factory=list)
     # Capacity announced at registration (merged dicts).
     capacity: dict[str, Any] = field(default_factory=dict)
     # Transfer-engine segment descriptor announced at registration.
     transfer_descriptor: dict[str, Any] = field(default_factory=dict)
+    # The conductor a worker talks to: node.conductor_url, or with etcd the
+    # current leader (moved by the membership client).  Read it per call.
+    conductor: ConductorLocator = field(init=False)
 
     def __post_init__(self) -> None:
+        self.conductor = ConductorLocator(self.config.node.conductor_url)
         ProcessCollector(registry=self.metrics)
         PlatformCollector(registry=self.metrics)
         Info("mooncaked_node", "Node identity", registry=self.metrics).info(

@@ -7,7 +7,10 @@ HTTP conductor and the simulator can share it.
 ``MembershipClient`` is the node side: register at start-up (retrying until
 the conductor answers or a deadline passes), heartbeat with a load report,
 re-register when the conductor has forgotten us (it restarted), deregister on
-a graceful exit.
+a graceful exit.  The conductor is either fixed (``node.conductor_url``) or,
+with etcd, whichever conductor leads (``mooncaked.node.discovery``): the
+client then moves to each new leader as it is elected.  ``ConductorLocator``
+is where every part of a node reads the current conductor's URL.
 """
 
 from __future__ import annotations
@@ -15,11 +18,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from mooncaked.node.internal_client import InternalCallError, InternalClient
 from mooncaked.node.messages import Deregistration, Heartbeat, NodeRegistration, Route
 from mooncaked.node.tasks import cancel_and_wait
+
+if TYPE_CHECKING:
+    from mooncaked.node.discovery import EtcdDiscovery
+    from mooncaked.node.etcd_store import ConductorRecord
 
 log = logging.getLogger("mooncaked.membership")
 
@@ -134,13 +141,32 @@ class ConductorUnreachable(Exception):
     pass
 
 
+class ConductorLocator:
+    """The URL of the conductor this node works for, read at each call (with
+    etcd it moves to each new leader).  Calling it gives the URL."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+
+    def __call__(self) -> str:
+        return self.url
+
+
 class MembershipClient:
     """Registers this node with the conductor and keeps it alive there."""
 
-    def __init__(self, *, conductor_url: str, info_fn: Callable[[], dict[str, Any]],
+    def __init__(self, *, conductor_url: str | ConductorLocator,
+                 info_fn: Callable[[], dict[str, Any]],
                  load_fn: Callable[[], dict[str, Any]], interval_s: float,
-                 connect_timeout_s: float, token: str = "") -> None:
-        self.conductor_url = conductor_url.rstrip("/")
+                 connect_timeout_s: float, token: str = "",
+                 discovery: Callable[[Callable[[ConductorRecord], None]], EtcdDiscovery]
+                 | None = None) -> None:
+        self.locator = (conductor_url if isinstance(conductor_url, ConductorLocator)
+                        else ConductorLocator(conductor_url))
+        # discovery(on_change) -> EtcdDiscovery: the leader comes from etcd.
+        self._make_discovery = discovery
+        self.discovery: EtcdDiscovery | None = None
+        self._leader_changed = asyncio.Event()
         self.info_fn = info_fn
         self.load_fn = load_fn
         self.interval_s = interval_s
@@ -149,6 +175,10 @@ class MembershipClient:
         self._client: InternalClient | None = None
         self._task: asyncio.Task | None = None
         self.registered = False
+
+    @property
+    def conductor_url(self) -> str:
+        return self.locator.url
 
     def _registration(self) -> NodeRegistration:
         # Decoded here as the conductor will: a bad descriptor fails at start, named.
@@ -172,6 +202,8 @@ class MembershipClient:
         self._client = InternalClient.open(self.token)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.connect_timeout_s
+        if self._make_discovery is not None:
+            await self._discover_leader()
         last_error: Exception | None = None
         while loop.time() < deadline:
             try:
@@ -186,6 +218,21 @@ class MembershipClient:
                 f"{self.connect_timeout_s:g}s ({type(last_error).__name__}: {last_error})")
         log.info("registered with conductor %s", self.conductor_url)
         self._task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+
+    async def _discover_leader(self) -> None:
+        from mooncaked.node.etcd_store import EtcdUnavailable
+
+        self.discovery = self._make_discovery(self._on_new_leader)
+        try:
+            leader = await self.discovery.start(self.connect_timeout_s)
+        except EtcdUnavailable as exc:
+            raise ConductorUnreachable(str(exc)) from None
+        self.locator.url = leader.url.rstrip("/")
+        log.info("etcd names %s at %s as the conductor leader", leader.conductor_id, leader.url)
+
+    def _on_new_leader(self, leader: ConductorRecord) -> None:
+        self.locator.url = leader.url.rstrip("/")
+        self._leader_changed.set()  # the heartbeat loop registers with it at once
 
     async def _heartbeat(self, node_id: str) -> None:
         assert self._client is not None
@@ -203,8 +250,17 @@ class MembershipClient:
         failures = 0
         node_id = self._registration().node_id
         while True:
-            await asyncio.sleep(self.interval_s)
             try:
+                await asyncio.wait_for(self._leader_changed.wait(), self.interval_s)
+            except TimeoutError:
+                pass
+            try:
+                if self._leader_changed.is_set():
+                    self._leader_changed.clear()
+                    log.info("registering with the new conductor leader %s", self.conductor_url)
+                    await self._register_once()
+                    failures = 0
+                    continue
                 await self._heartbeat(node_id)
                 if failures:
                     log.info("conductor reachable again after %d failed heartbeats", failures)
@@ -226,3 +282,5 @@ class MembershipClient:
                 except InternalCallError:
                     pass  # conductor gone: it will time us out
             await self._client.close()
+        if self.discovery is not None:
+            await self.discovery.close()

@@ -1,4 +1,4 @@
-"""Config sections of the node and its roles: [node] [conductor] [prefill] [decode].
+"""Config sections of the node and its roles: [node] [conductor] [prefill] [decode] [etcd].
 
 Each component package owns its own section dataclass (``kvstore.config``,
 ``rdma.config``, ``model.config``); ``mooncaked.node.config`` composes them.
@@ -8,7 +8,7 @@ imports a role (layers point one way).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ROLES = ("conductor", "prefill", "decode", "colocated")
 
@@ -135,3 +135,43 @@ class DecodeSection:
             raise ValueError("decode.max_batch must be positive")
         if self.reservation_timeout_s <= 0:
             raise ValueError("decode.reservation_timeout_s must be positive")
+
+
+@dataclass
+class EtcdSection:
+    """Optional cluster metadata in etcd (docs/etcd.md): node records under
+    leases, conductor leader election, workers following the leader.  With no
+    endpoints nothing here is used: one conductor at node.conductor_url."""
+
+    # etcd client addresses, "host:port" (an http:// prefix is accepted);
+    # several members are tried in turn.  Empty = no etcd.
+    endpoints: list[str] = field(default_factory=list)
+    # Seconds a lease lives unrenewed: a dead conductor's leadership and a
+    # dead node's record go away this long after its last renewal, so a
+    # failover takes about this long (etcd raises it to at least 2 s).
+    lease_ttl_s: int = 3
+    # Keys live under <key_prefix>/<cluster>/ so that clusters can share an etcd.
+    key_prefix: str = "/mooncaked"
+    cluster: str = "default"
+    # One etcd call gives up after this long and counts as etcd unreachable.
+    request_timeout_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.endpoints = [e.strip().removeprefix("http://").rstrip("/") for e in self.endpoints
+                          if e.strip()]
+        for endpoint in self.endpoints:
+            host, sep, port = endpoint.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"etcd.endpoints: expected host:port, got {endpoint!r}")
+        if self.lease_ttl_s < 2:
+            raise ValueError(f"etcd.lease_ttl_s must be at least 2 seconds; got {self.lease_ttl_s}")
+        if not self.key_prefix.startswith("/") or self.key_prefix.endswith("/"):
+            raise ValueError(f"etcd.key_prefix must start and not end with '/'; got {self.key_prefix!r}")
+        if not self.cluster or "/" in self.cluster:
+            raise ValueError(f"etcd.cluster must be a non-empty name without '/'; got {self.cluster!r}")
+        if self.request_timeout_s <= 0:
+            raise ValueError("etcd.request_timeout_s must be positive")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.endpoints)

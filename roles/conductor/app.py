@@ -1,4 +1,5 @@
-"""Conductor wiring: membership, cluster view + scheduler, dispatch, APIs.
+"""Conductor wiring: membership, cluster view + scheduler, dispatch, APIs, and
+with ``[etcd]`` leader election and standby forwarding (roles.conductor.failover).
 
 GET  /admin/requests         recent requests with their timing breakdown
 POST /admin/cache/match      {"prompt": str | [ids]} or {"messages": [...]}: cached prefix
@@ -141,6 +142,14 @@ def setup_conductor(app: web.Application, ctx: NodeContext) -> None:
                                 tokenizer.eos_token_ids,
                                 reservation_keepalive_s=cfg.decode.reservation_timeout_s / 3)
         app[DISPATCHER] = dispatcher
+        scheduler = cluster.scheduler
+        ctx.collection_sizes.append(lambda: {
+            "dispatcher_traces": len(dispatcher.traces),
+            "dispatcher_prefill_calls": len(dispatcher._prefill_calls),
+            "dispatcher_abandoned": len(dispatcher._abandoned),
+            "scheduler_inflight": len(scheduler.inflight),
+            "scheduler_ttft_errors": len(scheduler.ttft_errors),
+            "registry_nodes": len(registry.alive()) + len(registry.dead())})
         app[OPENAI_BACKEND] = ClusterBackend(dispatcher, tokenizer, model_name,
                                              model_config.max_position)
         yield
@@ -164,3 +173,6 @@ def setup_conductor(app: web.Application, ctx: NodeContext) -> None:
     ctx.status_providers["peers"] = nodes_status
     ctx.status_providers["dead_peers"] = lambda: [r.to_dict(time.monotonic()) for r in registry.dead()]
     ctx.status_providers["scheduler"] = cluster.status
+    if cfg.etcd.enabled:
+        from roles.conductor.failover import setup_failover
+        setup_failover(app, ctx, registry)

@@ -331,8 +331,10 @@ class Dispatcher:
                     if isinstance(retry, Rejection):
                         raise
                     booked = True
-                    log.warning("%s: prefill node %s refused the connection; rescheduled on %s",
-                                request_id, decision.prefill_node, retry.prefill_node)
+                    log.warning("%s: prefill node %s %s; rescheduled on %s", request_id,
+                                decision.prefill_node,
+                                "dropped the connection before answering" if exc.maybe_started
+                                else "refused the connection", retry.prefill_node)
                     if reserved and retry.decode_node != decision.decode_node:
                         await self._cancel(decode.url + Route.DECODE_CANCEL, request_id)
                         reserved = False

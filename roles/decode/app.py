@@ -37,6 +37,12 @@ BATCHER = web.AppKey("batcher", DecodeBatcher)
 async def reserve(request: web.Request) -> web.Response:
     req = await read_message(request, ReservationRequest, 1 << 20)
     worker = request.app[WORKER]
+    needed = -(-req.total_tokens // worker.layout.block_size)
+    if needed > worker.shard.num_pages:
+        # Not "busy" (503): this node could never hold it, however long one waits.
+        raise ApiError(413, f"decode.reserve.total_tokens: {req.total_tokens} tokens need {needed} "
+                            f"pages; this decode node has {worker.shard.num_pages}",
+                       param="decode.reserve.total_tokens")
     try:
         pages = request.app[BATCHER].reserve(req.request_id, req.total_tokens)
     except StoreFullError as exc:
@@ -120,6 +126,9 @@ def add_decode_service(app: web.Application, ctx: NodeContext) -> None:
         batcher.run()
         ctx.load_providers.append(batcher.load)
         ctx.status_providers["decode"] = batcher.load
+        ctx.collection_sizes.append(lambda: {
+            "decode_seqs": len(batcher.seqs), "decode_waiting": len(batcher.waiting),
+            "decode_running": len(batcher.running), "write_grants": batcher.grants.live})
         ctx.capacity["max_batch"] = cfg.decode.max_batch
         yield
         await batcher.close()

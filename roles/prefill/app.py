@@ -16,14 +16,14 @@ from mooncaked.node.errors import ApiError
 from mooncaked.node.context import NodeContext
 from mooncaked.node.internal_client import read_message, reply
 from mooncaked.node.messages import (Cancelled, PrefetchReply, PrefetchRequest, PrefillRequest,
-                                     RequestRef, Route)
+                                     RequestRef, ReservationGrant, Route)
 from roles.cache_sync import CacheEventPusher
 from roles.prefill.cpp_routes import CPP_STAGES, CppStages, add_cpp_routes
 from roles.prefill.job import PrefillCancelled, prefetch
 from roles.prefill.service import PrefillService, QueueFull
 from roles.store_leases import add_lease_routes
 from roles.worker import add_membership
-from roles.worker_node import WORKER, add_worker_resources
+from roles.worker_node import WORKER, WorkerNode, add_worker_resources
 from rdma.types import TransferError
 
 PREFILL = web.AppKey("prefill", PrefillService)
@@ -33,6 +33,7 @@ PUSHER = web.AppKey("pusher", CacheEventPusher)
 async def prefill(request: web.Request) -> web.Response:
     worker = request.app[WORKER]
     spec = await read_message(request, PrefillRequest, 64 << 20, block_size=worker.layout.block_size)
+    await check_decode_target(worker, spec.decode)
     try:
         result = await request.app[PREFILL].submit(spec)
     except QueueFull as exc:
@@ -48,6 +49,29 @@ async def prefill(request: web.Request) -> web.Response:
     # New blocks should reach the global index before the next decision.
     await request.app[PUSHER].flush()
     return reply(result)
+
+
+async def check_decode_target(worker: WorkerNode, grant: ReservationGrant) -> None:
+    """400 for a WRITE target that cannot exist (a page past the decode region's
+    end): refused before the prefill is computed, not as a failed transfer (502)
+    after it.  A segment that cannot be resolved now is left to the transfer,
+    which reports it as the network failure it most likely is."""
+    try:
+        desc = await worker.engine.resolve_segment(grant.segment)
+    except Exception:  # noqa: BLE001 - the resolver's own failure: the transfer says more
+        return
+    if desc is None:
+        return
+    region = desc.region(grant.region)
+    if region is None:
+        raise ApiError(400, f"prefill.decode.region: segment {grant.segment!r} has no region "
+                            f"{grant.region}", param="prefill.decode.region")
+    num_pages = region.length // worker.full_layout.page_bytes
+    bad = next((p for p in grant.pages if not 0 <= p < num_pages), None)
+    if bad is not None:
+        raise ApiError(400, f"prefill.decode.pages: page {bad} is outside region {grant.region} of "
+                            f"segment {grant.segment!r} ({num_pages} pages)",
+                       param="prefill.decode.pages")
 
 
 async def prefetch_blocks(request: web.Request) -> web.Response:
@@ -78,14 +102,15 @@ def add_prefill_service(app: web.Application, ctx: NodeContext) -> None:
         if worker.cpp:
             stages = CppStages(worker, cfg.model.prefill_chunk, cfg.prefill.cpp_chunk_timeout_s)
             app[CPP_STAGES] = stages
-        pusher = CacheEventPusher(worker.shard, worker.client, cfg.node.conductor_url,
-                                  ctx.node_id)
+        pusher = CacheEventPusher(worker.shard, worker.client, ctx.conductor, ctx.node_id)
         app[PREFILL] = svc
         app[PUSHER] = pusher
         svc.start()
         pusher.start()
         ctx.load_providers.append(svc.load)
         ctx.status_providers["prefill"] = svc.load
+        ctx.collection_sizes.append(lambda: {"prefill_jobs": len(svc.jobs),
+                                             "prefill_running": len(svc.running)})
         yield
         await svc.close()
         if stages is not None:

@@ -1,0 +1,145 @@
+"""Leader election and node leases against a real etcd (started from PATH).
+
+A crashed candidate is simulated by cancelling its tasks without revoking its
+lease (what kill -9 leaves behind): its keys must go away by lease expiry
+alone, and the other candidate must take over."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import orjson
+import pytest
+
+from mooncaked.etcd_process import EtcdProcess, find_etcd
+from mooncaked.node.discovery import EtcdDiscovery
+from mooncaked.node.election import LeaderElection, new_incarnation
+from mooncaked.node.etcd_store import ConductorRecord, EtcdStore
+from mooncaked.node.messages import NodeRegistration
+from mooncaked.node.sections import EtcdSection
+from mooncaked.node.tasks import cancel_and_wait
+from tests.waiting import eventually
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(find_etcd() is None,
+                                 reason="etcd not found: apt-get install etcd-server")]
+
+TTL = 2
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    proc = EtcdProcess(tmp_path / "etcd-data", tmp_path / "etcd.log")
+    proc.start()
+    yield proc
+    proc.kill()
+
+
+def section(etcd: EtcdProcess, cluster: str = "t") -> EtcdSection:
+    return EtcdSection(endpoints=[etcd.endpoint], lease_ttl_s=TTL, cluster=cluster)
+
+
+def candidate(etcd: EtcdProcess, name: str) -> LeaderElection:
+    me = ConductorRecord(conductor_id=name, url=f"http://{name}:1", incarnation=new_incarnation())
+    return LeaderElection(EtcdStore(section(etcd)), me, TTL)
+
+
+async def crash(election: LeaderElection) -> None:
+    """Like kill -9: stop renewing, revoke nothing."""
+    for task in election._tasks:
+        await cancel_and_wait(task)
+    election.is_leader = False
+    await election.store.close()
+
+
+async def test_one_leader_and_a_standby_takes_over_on_lease_expiry(etcd):
+    a, b = candidate(etcd, "a"), candidate(etcd, "b")
+    a.start()
+    await eventually(lambda: a.is_leader, 10)
+    b.start()
+    await eventually(lambda: b.leader is not None, 10)
+    assert not b.is_leader and b.leader == a.me and b.reachable
+    killed = time.monotonic()
+    await crash(a)
+    await eventually(lambda: b.is_leader, TTL + 8)
+    print(f"\nstandby leads {time.monotonic() - killed:.2f}s after the leader stopped "
+          f"renewing (lease TTL {TTL}s)")
+    store = EtcdStore(section(etcd))
+    try:
+        assert await store.get(store.keys.leader) is not None
+        names = {k.rsplit(b"/", 1)[1] for k, _ in await store.get_prefix(store.keys.conductors)}
+        assert b"b" in names
+    finally:
+        await store.close()
+    await b.close()
+
+
+async def test_a_graceful_leader_hands_over_at_once_and_a_namesake_is_not_fooled(etcd):
+    a, b = candidate(etcd, "a"), candidate(etcd, "b")
+    a.start()
+    await eventually(lambda: a.is_leader, 10)
+    b.start()
+    await eventually(lambda: b.leader == a.me, 10)
+    await a.close()  # revokes: no TTL to wait out
+    await eventually(lambda: b.is_leader, 5)
+    # A restarted "b" (same id, new incarnation) must not take b's key for its own.
+    b2 = candidate(etcd, "b")
+    b2.start()
+    await eventually(lambda: b2.leader is not None, 10)
+    assert b2.leader == b.me and not b2.is_leader
+    await b2.close()
+    await b.close()
+
+
+async def test_node_record_lives_under_its_lease(etcd):
+    store = EtcdStore(section(etcd))
+    reader = EtcdStore(section(etcd))
+    leaders: list[ConductorRecord] = []
+    reg = NodeRegistration(node_id="prefill-7", role="prefill", url="http://127.0.0.1:9",
+                           capacity={"pages": 4},
+                           transfer={"name": "prefill-7", "nics": [{"host": "127.0.0.1", "port": 5}]})
+    elector = candidate(etcd, "c")
+    elector.start()
+    await eventually(lambda: elector.is_leader, 10)
+    node = EtcdDiscovery(store, lambda: reg, TTL, leaders.append)
+    assert (await node.start(5)) == elector.me
+    raw = await reader.get(reader.keys.node("prefill-7"))
+    assert raw is not None and NodeRegistration.from_wire(orjson.loads(raw)) == reg
+    # The node dies without a word: its record outlives it by at most a TTL or so.
+    for task in node._tasks:
+        await cancel_and_wait(task)
+    died = time.monotonic()
+    while await reader.get(reader.keys.node("prefill-7")) is not None:
+        assert time.monotonic() - died < TTL + 8, "node record outlived its lease"
+        await asyncio.sleep(0.1)
+    print(f"\nnode record gone {time.monotonic() - died:.2f}s after the last renewal (TTL {TTL}s)")
+    await store.close()
+    await reader.close()
+    await elector.close()
+
+
+async def test_etcd_down_then_back(etcd):
+    a = candidate(etcd, "a")
+    a.start()
+    await eventually(lambda: a.is_leader and a.reachable, 10)
+    etcd.kill()
+    await eventually(lambda: not a.reachable, 5)
+    assert "etcd" in a.status()["last_error"]
+    await eventually(lambda: not a.is_leader, TTL + 5)  # no renewal for a TTL: no claim
+    etcd.start()
+    back = time.monotonic()
+    await eventually(lambda: a.reachable and a.is_leader, 20)
+    print(f"\nleader again {time.monotonic() - back:.2f}s after etcd came back")
+    await a.close()
+
+
+async def test_no_etcd_at_all_is_reported_not_raised(tmp_path):
+    dead = EtcdSection(endpoints=["127.0.0.1:1"], lease_ttl_s=TTL, request_timeout_s=0.5)
+    me = ConductorRecord(conductor_id="x", url="http://x:1", incarnation=new_incarnation())
+    election = LeaderElection(EtcdStore(dead), me, TTL)
+    election.start()
+    await asyncio.sleep(1.0)
+    assert not election.reachable and not election.is_leader
+    assert "127.0.0.1:1" in election.status()["last_error"]
+    await election.close()

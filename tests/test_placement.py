@@ -1,0 +1,85 @@
+"""CPU placement of `mooncaked up`'s nodes (pure function) and its application."""
+import os
+
+import pytest
+
+from mooncaked.launcher import free_port, spawn
+from mooncaked.placement import (CONDUCTOR, DECODE, PREFILL, format_cpus, parse_cpus, place)
+
+
+def test_cpu_lists_parse_and_format():
+    assert parse_cpus("0-3,6") == {0, 1, 2, 3, 6}
+    assert parse_cpus(" 5 ") == {5}
+    assert format_cpus({0, 1, 2, 3, 6, 8, 9}) == "0-3,6,8-9"
+    for bad in ("", "a", "3-1", "-1", "0-x"):
+        with pytest.raises(ValueError):
+            parse_cpus(bad)
+
+
+def test_two_cores_two_prefill_one_decode():
+    p = place([0, 1], prefill=2, decode=1)
+    assert p.split
+    # decode share: round(2 * 1/3) = 1 core, the highest; prefill the other.
+    assert p.of(DECODE).cpus == {1} and p.of(DECODE).threads == 1
+    # 2 prefill nodes, 1 core: they share it, 1 thread each.
+    assert p.of(PREFILL, 0).cpus == p.of(PREFILL, 1).cpus == {0}
+    assert p.of(PREFILL, 0).threads == 1
+    # The conductor sits with decode, away from prefill bursts.
+    assert p.of(CONDUCTOR).cpus == {1}
+    assert "prefill-1: cpus 0 (1 thread)" in p.describe()
+    assert "2 prefill nodes share 1 CPU" in p.describe()
+
+
+def test_many_cores_give_each_node_its_own_slice():
+    p = place(range(8), prefill=2, decode=1)
+    # decode: round(8/3) = 3 cores (5-7); prefill 0-4 split 3 + 2.
+    assert p.cpus_of(DECODE) == {5, 6, 7} and p.of(DECODE).threads == 3
+    assert p.of(PREFILL, 0).cpus == {0, 1, 2} and p.of(PREFILL, 0).threads == 3
+    assert p.of(PREFILL, 1).cpus == {3, 4} and p.of(PREFILL, 1).threads == 2
+    assert not p.cpus_of(PREFILL) & p.cpus_of(DECODE)
+    # Decode keeps at least one core, prefill too, whatever the counts.
+    assert place(range(4), prefill=1, decode=9).cpus_of(PREFILL) == {0}
+    assert place(range(4), prefill=9, decode=1).cpus_of(DECODE) == {3}
+
+
+def test_explicit_sets_and_their_errors():
+    p = place(range(4), 2, 1, cpus_decode=frozenset({0}))
+    assert p.cpus_of(DECODE) == {0} and p.cpus_of(PREFILL) == {1, 2, 3}
+    p = place(range(4), 1, 1, cpus_prefill=frozenset({0, 1}), cpus_decode=frozenset({1, 2}))
+    assert not p.split and "share CPUs 1" in p.describe()
+    with pytest.raises(ValueError, match="not available"):
+        place(range(2), 1, 1, cpus_prefill=frozenset({5}))
+    with pytest.raises(ValueError, match="no CPU to the other role"):
+        place(range(2), 1, 1, cpus_prefill=frozenset({0, 1}))
+    with pytest.raises(ValueError, match="need both"):
+        place(range(2), 1, 0, cpus_prefill=frozenset({0}))
+
+
+def test_one_role_or_one_core_is_not_split():
+    # --colocated 1: one node, every core, every thread (the single-process baseline).
+    p = place(range(2), prefill=1, decode=0)
+    assert not p.split and p.of(PREFILL).cpus == {0, 1} and p.of(PREFILL).threads == 2
+    p = place([3], prefill=2, decode=1)
+    assert not p.split and p.of(DECODE).cpus == {3} and "cannot be separated" in p.describe()
+
+
+def test_spawned_child_runs_on_its_cpu_set(tmp_path):
+    cpu = max(os.sched_getaffinity(0))
+    # A real conductor process: it runs until killed, so its affinity can be read.
+    args = ["--role", "conductor", "--host", "127.0.0.1", "--port", str(free_port()),
+            "--node-id", "probe"]
+    child = spawn("probe", "conductor", 0, args, tmp_path / "probe.log", cpus=frozenset({cpu}))
+    try:
+        assert os.sched_getaffinity(child.proc.pid) == {cpu}
+    finally:
+        child.kill()
+    again = child.respawn()  # a restarted node keeps its place
+    try:
+        assert os.sched_getaffinity(again.proc.pid) == {cpu}
+    finally:
+        again.kill()
+    free = spawn("free", "conductor", 0, args, tmp_path / "free.log")
+    try:
+        assert os.sched_getaffinity(free.proc.pid) == os.sched_getaffinity(0)
+    finally:
+        free.kill()

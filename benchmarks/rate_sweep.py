@@ -1,0 +1,243 @@
+"""Goodput against offered rate: mooncaked (as ``mooncaked up`` runs it) and
+vLLM's CPU build, on the same checkpoint and trace slice, at several multiples
+of the trace's own rate.
+
+    .venv/bin/python benchmarks/rate_sweep.py --rates 1,2,4 --out /tmp/sweep
+
+For every rate and every server: a fresh server (cold cache), warmed on
+requests whose prefixes the trace never uses, then the slice replayed at that
+rate (arrival = trace timestamp / rate).  Servers alternate within a rate, so
+machine drift hits both.  mooncaked is started through the real ``mooncaked up``
+command line (``--up-args``, default: its defaults), so what is measured is
+the layout ``up`` picks for this machine.  vLLM: ``vllm_compare.vllm_target``
+(its venv is built on first use, about 3.5 GB).
+
+Writes sweep.json, sweep.md and sweep.png (goodput, in-SLO share of accepted
+requests, TTFT p90 and ITL p90 against the offered rate) under ``--out``.  A
+heavy benchmark, not a test; figures on a shared 2-core machine are relative.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from mooncaked.benchserve.compare import Target, warmup_requests  # noqa: E402
+from mooncaked.benchserve.replay import ReplayConfig, run_replay  # noqa: E402
+from mooncaked.benchserve.report import Slo  # noqa: E402
+from mooncaked.benchserve.session import MACHINE_NOTE, run_bench  # noqa: E402
+from mooncaked.benchserve.workload import WorkloadConfig, build_workload  # noqa: E402
+from vllm_compare import build_checkpoint, ensure_vllm_venv, vllm_target  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(f"[rate_sweep] {msg}", file=sys.stderr, flush=True)
+
+
+def up_target(model_dir: Path, up_args: list[str], log_dir: Path, start_timeout_s: float) -> Target:
+    """``mooncaked up`` as a subprocess; its printed ``API:`` line is the URL."""
+    state: dict[str, Any] = {}
+    starts = [0]
+
+    def start() -> str:
+        starts[0] += 1
+        logs = log_dir / f"up_{starts[0]}"
+        logs.mkdir(parents=True, exist_ok=True)
+        cmd = [str(ROOT / ".venv" / "bin" / "mooncaked"), "up", "--model", str(model_dir),
+               "--served-model-name", "model", "--log-dir", str(logs), *up_args]
+        err = (logs / "up.stderr").open("wb")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
+                                start_new_session=True)
+        state["proc"] = proc
+        found: list[str] = []
+
+        def read() -> None:
+            for line in proc.stdout:
+                if line.startswith("API: ") and not found:
+                    found.append(line.split(None, 1)[1].strip())
+
+        threading.Thread(target=read, daemon=True).start()
+        deadline = time.monotonic() + start_timeout_s
+        while time.monotonic() < deadline and not found:
+            if proc.poll() is not None:
+                raise RuntimeError(f"mooncaked up exited with {proc.returncode}; see {logs}")
+            time.sleep(0.2)
+        if not found:
+            stop()
+            raise RuntimeError(f"mooncaked up not ready in {start_timeout_s}s; see {logs}")
+        return found[0]
+
+    def stop() -> None:
+        proc = state.pop("proc", None)
+        if proc is None or proc.poll() is not None:
+            return
+        os.killpg(proc.pid, signal.SIGINT)   # up's Ctrl-C path stops every node
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    return Target("mooncaked", f"mooncaked up {shlex.join(up_args) or '(defaults)'}", start, stop)
+
+
+def headline(rate: float, name: str, s: dict[str, Any]) -> dict[str, Any]:
+    pred = s.get("prediction") or {}
+    return {
+        "rate_x": rate, "server": name, "offered_rps": s["offered_rate_rps"],
+        "sent": s["sent"], "ok": s.get("ok", 0), "rejected": s.get("rejected", 0),
+        "accepted": s.get("accepted"),
+        "in_slo_of_accepted": s.get("accepted_in_slo") if s.get("accepted") else None,
+        "goodput_rps": s["goodput_rps"],
+        "effective_request_capacity": s["effective_request_capacity"],
+        "ttft_p50_s": s["ttft_s"].get("p50"), "ttft_p90_s": s["ttft_s"].get("p90"),
+        "itl_p50_ms": (s["itl_s"].get("p50") or 0) * 1e3 if s["itl_s"].get("n") else None,
+        "itl_p90_ms": (s["itl_s"].get("p90") or 0) * 1e3 if s["itl_s"].get("n") else None,
+        "ttft_mae_of_p50": pred.get("ttft_mean_abs_error_of_p50"),
+    }
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    def f(v: Any, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    out = ["| rate | server | offered req/s | ok/sent | 429 | in SLO of accepted | goodput req/s "
+           "| effective | TTFT p50 / p90 s | ITL p50 / p90 ms | TTFT MAE / p50 |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(
+            f"| {r['rate_x']:g}x | {r['server']} | {r['offered_rps']:.2f} | {r['ok']}/{r['sent']} "
+            f"| {r['rejected']} | {f(r['in_slo_of_accepted'], '.1%')} | {r['goodput_rps']:.2f} "
+            f"| {r['effective_request_capacity']:.1%} | {f(r['ttft_p50_s'], '.2f')} / "
+            f"{f(r['ttft_p90_s'], '.2f')} | {f(r['itl_p50_ms'], '.1f')} / {f(r['itl_p90_ms'], '.1f')} "
+            f"| {f(r['ttft_mae_of_p50'], '.0%')} |")
+    return "\n".join(out)
+
+
+def plot(path: Path, rows: list[dict[str, Any]], slo: Slo) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    servers = list(dict.fromkeys(r["server"] for r in rows))
+    panels = [("goodput_rps", "goodput (req/s in both SLOs)", None),
+              ("in_slo_of_accepted", "share of accepted in both SLOs", None),
+              ("ttft_p90_s", "TTFT p90 (s)", slo.ttft_s),
+              ("itl_p90_ms", "ITL p90 (ms)", slo.tbt_ms)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
+    for ax, (key, title, limit) in zip(axes, panels):
+        for name in servers:
+            pts = [(r["offered_rps"], r[key]) for r in rows if r["server"] == name
+                   and r[key] is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=name)
+        if limit is not None:
+            ax.axhline(limit, color="grey", linestyle=":", label="SLO")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("offered rate (req/s)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(MACHINE_NOTE, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "mooncaked-vllm")
+    ap.add_argument("--model-dir", type=Path, help="HF checkpoint (default: build a random one)")
+    ap.add_argument("--trace", default=str(ROOT.parent / "shared" / "traces"
+                                           / "synthetic_trace.jsonl"))
+    ap.add_argument("--offset", type=int, default=0)
+    ap.add_argument("--max-requests", type=int, default=150)
+    ap.add_argument("--rates", default="1,2,4", help="multiples of the trace's own rate")
+    ap.add_argument("--length-scale", type=float, default=1 / 16,
+                    help="tokens per trace token (1/16: 32 token ids per 512-token block)")
+    ap.add_argument("--max-output-tokens", type=int, default=16)
+    ap.add_argument("--ttft-slo", type=float, default=1.0)
+    ap.add_argument("--tbt-slo", type=float, default=150.0)
+    ap.add_argument("--up-args", default="", help="extra `mooncaked up` arguments, one string")
+    ap.add_argument("--servers", default="mooncaked,vllm")
+    ap.add_argument("--max-duration", type=float, default=240.0)
+    ap.add_argument("--vllm-start-timeout", type=float, default=600.0)
+    ap.add_argument("--out", type=Path, default=Path("/tmp/mooncaked-rate-sweep"))
+    args = ap.parse_args(argv)
+
+    model_dir = args.model_dir or args.workdir / "random-llama"
+    if args.model_dir is None and not (model_dir / "config.json").is_file():
+        log(f"building a random LlamaForCausalLM in {model_dir}")
+        build_checkpoint(model_dir, vocab=1024, seed=0)
+    from model.tokenizer import HFTokenizer
+    vocab = HFTokenizer(model_dir).vocab_size
+    cfg = json.loads((model_dir / "config.json").read_text())
+    max_len = int(cfg.get("max_position_embeddings", 4096))
+    reserved = min(vocab - 1, 256) if vocab > 512 else 3
+    rates = [float(x) for x in args.rates.split(",") if x.strip()]
+    slo = Slo(args.ttft_slo, args.tbt_slo)
+    wanted = [s.strip() for s in args.servers.split(",") if s.strip()]
+    block_tokens = round(512 * args.length_scale)
+    targets: list[Target] = []
+    if "mooncaked" in wanted:
+        up_args = shlex.split(args.up_args) + ["--set", f"store.block_size={block_tokens}"]
+        targets.append(up_target(model_dir, up_args, args.out / "logs", 240.0))
+    if "vllm" in wanted:
+        python = ensure_vllm_venv(args.workdir / "venv-vllm")
+        targets.append(vllm_target(python, model_dir, max_len, args.out / "logs" / "vllm.log",
+                                   args.vllm_start_timeout))
+    warm = warmup_requests(3, 1024, block_tokens, vocab, reserved)
+    rows: list[dict[str, Any]] = []
+    for i, rate in enumerate(rates):
+        wl = WorkloadConfig(trace=args.trace, offset=args.offset, max_requests=args.max_requests,
+                            time_scale=1.0 / rate, length_scale=args.length_scale,
+                            output_scale=1.0, max_output_tokens=args.max_output_tokens, vocab_size=vocab,
+                            reserved_tokens=reserved)
+        reqs = build_workload(wl)
+        longest = max(len(r.prompt) + r.max_tokens for r in reqs)
+        if longest > max_len:
+            raise SystemExit(f"the slice needs {longest} tokens of context; the model has {max_len}")
+        order = targets[i % len(targets):] + targets[:i % len(targets)]
+        for target in order:
+            log(f"rate {rate:g}x: {target.description}: starting")
+            url = target.start()
+            try:
+                replay = ReplayConfig(url=url, model="model", max_duration_s=args.max_duration,
+                                      request_timeout_s=args.max_duration,
+                                      server_traces=target.name == "mooncaked")
+                run_replay(ReplayConfig(**{**replay.__dict__, "server_traces": False}), warm)
+                run = run_bench(reqs, replay, slo, args.out / f"rate_{rate:g}" / target.name,
+                                plots=False, progress=False, label=target.name)
+            finally:
+                target.stop()
+            row = headline(rate, target.name, run.summary)
+            rows.append(row)
+            log(json.dumps(row))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "sweep.json").write_text(json.dumps(
+        {"note": MACHINE_NOTE, "argv": sys.argv[1:], "slo": {"ttft_s": slo.ttft_s,
+                                                             "tbt_ms": slo.tbt_ms},
+         "rows": rows}, indent=1))
+    table = markdown(rows)
+    (args.out / "sweep.md").write_text(table + "\n")
+    plot(args.out / "sweep.png", rows, slo)
+    print(table)
+    print(MACHINE_NOTE)
+    print(f"written: {args.out / 'sweep.json'}, {args.out / 'sweep.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -119,6 +119,28 @@ async def test_node_record_lives_under_its_lease(etcd):
     await elector.close()
 
 
+async def test_a_loop_woken_as_it_is_stopped_still_stops(etcd):
+    """A wake-up (the leader key changed) arriving with the cancellation, as
+    when a node stops while the conductors do: asyncio.wait_for (Python 3.11)
+    swallowed the cancel, the loop ran on and the node's shutdown hung."""
+    elector = candidate(etcd, "c")
+    elector.start()
+    await eventually(lambda: elector.is_leader, 10)
+    reg = NodeRegistration(node_id="prefill-8", role="prefill", url="http://127.0.0.1:9",
+                           capacity={}, transfer={})
+    node = EtcdDiscovery(EtcdStore(section(etcd)), lambda: reg, TTL, lambda leader: None)
+    await node.start(5)
+    for looping in (node, elector):
+        task = looping._tasks[0]  # the presence / campaign loop
+        await asyncio.sleep(0.05)
+        looping._wake.set()
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=3)
+        assert done, f"{task.get_name()} still running 3 s after it was cancelled"
+    await node.close()
+    await elector.close()
+
+
 async def test_etcd_down_then_back(etcd):
     a = candidate(etcd, "a")
     a.start()

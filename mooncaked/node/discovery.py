@@ -18,7 +18,7 @@ from typing import Any, Callable
 from mooncaked.node.etcd_store import (ConductorRecord, EtcdStore, EtcdUnavailable,
                                        decode_conductor, encode)
 from mooncaked.node.messages import NodeRegistration
-from mooncaked.node.tasks import cancel_and_wait
+from mooncaked.node.tasks import cancel_and_wait, wait_woken
 
 log = logging.getLogger("mooncaked.discovery")
 
@@ -105,11 +105,7 @@ class EtcdDiscovery:
             self._wake.clear()
             # After a failed round the next endpoint is tried soon: the lease must
             # be renewed through the members still up before its TTL runs out.
-            try:
-                await asyncio.wait_for(self._wake.wait(),
-                                       self.round_s if self.reachable else self.round_s / 4)
-            except TimeoutError:
-                pass
+            await wait_woken(self._wake, self.round_s if self.reachable else self.round_s / 4)
             try:
                 await self._round()
             except EtcdUnavailable as exc:

@@ -17,9 +17,10 @@ Invariants:
     successful round;
   * ``current`` is True while the last successful round began less than a
     TTL ago: what it learnt (who leads) still holds, since no conductor can
-    take the lead before the leader's lease runs out.  The conductor refuses
-    new requests only once it is False, so a blip shorter than a TTL (an etcd
-    member lost, etcd electing a new raft leader) refuses nothing.
+    take the lead before the leader's lease runs out.  A request arriving
+    while it is False waits up to a TTL for it (``wait_current``) and is
+    refused only then, so an etcd blip (a member lost, even etcd's raft
+    leader, which takes etcd a second or two to replace) refuses nothing.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any, Awaitable, Callable
 
 from mooncaked.node.etcd_store import (ConductorRecord, EtcdStore, EtcdUnavailable,
                                        decode_conductor, encode)
-from mooncaked.node.tasks import cancel_and_wait
+from mooncaked.node.tasks import cancel_and_wait, wait_woken
 
 log = logging.getLogger("mooncaked.election")
 
@@ -95,6 +96,15 @@ class LeaderElection:
         """The last successful round began less than a TTL ago (module docstring)."""
         return self._round_ok_at is not None and self.clock() - self._round_ok_at < self.ttl_s
 
+    async def wait_current(self, timeout_s: float) -> bool:
+        """Whether ``current`` holds within ``timeout_s`` (at once if it does)."""
+        deadline = self.clock() + timeout_s
+        while not self.current:
+            if self.clock() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
     @property
     def role(self) -> str:
         """leader | standby (another leads) | campaigning (no leader known) | etcd_unreachable"""
@@ -133,10 +143,7 @@ class LeaderElection:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 self._expire_if_stale()
             self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), self._next_round_in())
-            except TimeoutError:
-                pass
+            await wait_woken(self._wake, self._next_round_in())
 
     def _next_round_in(self) -> float:
         """A round after a success; a quarter of that after a failure, so that the

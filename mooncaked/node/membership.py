@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from mooncaked.node.internal_client import InternalCallError, InternalClient
 from mooncaked.node.messages import Deregistration, Heartbeat, NodeRegistration, Route
-from mooncaked.node.tasks import cancel_and_wait
+from mooncaked.node.tasks import cancel_and_wait, wait_woken
 
 if TYPE_CHECKING:
     from mooncaked.node.discovery import EtcdDiscovery
@@ -250,10 +250,7 @@ class MembershipClient:
         failures = 0
         node_id = self._registration().node_id
         while True:
-            try:
-                await asyncio.wait_for(self._leader_changed.wait(), self.interval_s)
-            except TimeoutError:
-                pass
+            await wait_woken(self._leader_changed, self.interval_s)
             try:
                 if self._leader_changed.is_set():
                     self._leader_changed.clear()

@@ -12,9 +12,10 @@ answers the whole OpenAI API (``/v1/...``):
     leader dies mid-request the client gets a clear error: a 503 JSON error,
     or once a stream has started an in-band SSE error event then ``[DONE]``;
   * with etcd unreachable for a lease TTL a conductor cannot know who leads:
-    it refuses new requests with 503 + Retry-After (requests already
-    dispatched run to their end) and serves again by itself once etcd
-    answers.  A shorter blip (an etcd member lost) refuses nothing.
+    a new request waits up to another TTL for etcd and is then refused with
+    503 + Retry-After (requests already dispatched run to their end); the
+    conductor serves again by itself once etcd answers.  A shorter blip (an
+    etcd member lost) delays requests and refuses none.
 
 Only ``/v1/`` is gated: admin, metrics and the nodes' /internal/ calls are
 always answered locally.
@@ -84,9 +85,10 @@ async def leader_gate(request: web.Request, handler):
     if not request.path.startswith("/v1/"):
         return await handler(request)
     election = request.app[ELECTION]
-    # Refused once etcd has been out of reach for a lease TTL: before that who
-    # leads cannot have changed, so an etcd blip (a member lost) refuses nothing.
-    if not election.current:
+    # Refused once etcd has been out of reach for a lease TTL (before that who
+    # leads cannot have changed) and stayed so for another TTL while this
+    # request waited: an etcd blip (a member lost) delays requests, refuses none.
+    if not election.current and not await election.wait_current(election.ttl_s):
         raise ApiError(503, "the cluster's metadata store (etcd) is unreachable: this conductor "
                             "takes no new requests until it is back; retry later",
                        code="etcd_unreachable", headers=_retry_after(election))

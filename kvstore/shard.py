@@ -24,6 +24,7 @@ and :class:`StoreStats`), ``waiters`` (coroutines waiting for pages).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -537,6 +538,70 @@ class StoreShard:
         self._page_block[page] = b
         self._lru[key] = None
         return b
+
+    async def promote_prefix(self, keys: Sequence[int]) -> int:
+        """Bring the leading blocks of ``keys`` held only on SSD back into DRAM
+        with the disk reads off the event loop (``acquire_prefix`` would read
+        them inline); call it right before ``acquire_prefix``, which then
+        finds them cached.  Stops at the first block held nowhere or when no
+        page can be had; returns how many leading blocks are in DRAM.  The
+        prefix's blocks are pinned while it runs, so promoting a later block
+        never evicts an earlier one.
+
+        While its read runs, a page is private (counted, invisible to
+        lookups); the block appears only once its bytes are in.  If the
+        caller is cancelled mid-read, the read still finishes and its block
+        is kept: the page is never freed under a running read."""
+        ssd = self._ssd
+        if ssd is None or not len(ssd):
+            return 0  # nothing can come back: skip the walk (the common case)
+        pinned: list[int] = []
+        try:
+            for key in keys:
+                if key not in self._blocks:
+                    entry = ssd.reserve(key)
+                    if entry is None:
+                        break
+                    try:
+                        (page,) = self._take_pages(1)  # may demote others; the reserved slot is safe
+                    except StoreFullError:
+                        ssd.unreserve(key, entry)
+                        break
+                    self._private.add(page)
+                    read = asyncio.ensure_future(
+                        ssd.read_back_off_loop(key, entry, self.memory.page_view(page)))
+                    try:
+                        await asyncio.shield(read)
+                    except asyncio.CancelledError:
+                        read.add_done_callback(
+                            lambda f, k=key, e=entry, p=page: self._promoted(
+                                k, e, p, None if f.cancelled() else f.exception()))
+                        raise
+                    except OSError as exc:
+                        self._promoted(key, entry, page, exc)
+                        break
+                    self._promoted(key, entry, page, None)
+                    if key not in self._blocks:
+                        break
+                self._pin(self._blocks[key])
+                pinned.append(key)
+            return len(pinned)
+        finally:
+            self.release(pinned)
+
+    def _promoted(self, key: int, entry, page: int, error: BaseException | None) -> None:
+        """End of a background promotion read into private ``page``."""
+        self._private.discard(page)
+        if error is not None or key in self._blocks:
+            # Failed (the tier reported the block gone), or the key was cached
+            # meanwhile (e.g. a peer's fetch published it): keep that copy.
+            self._free.append(page)
+            self._waiters.wake_all()
+            return
+        b = _Block(key, page, entry.size, entry.tokens, 0, entry.replicas)
+        self._blocks[key] = b
+        self._page_block[page] = b
+        self._lru[key] = None
 
     def _guard_ssd_copy(self, key: int, tokens: bytes | None) -> None:
         """The collision guard against an SSD copy of ``key``, if any."""

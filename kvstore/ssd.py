@@ -198,11 +198,19 @@ class SsdPool:
         return True
 
     def read_into(self, entry: SsdEntry, out: memoryview) -> None:
+        self.read_bytes(entry, out)
+        self.reads += 1
+
+    def read_bytes(self, entry: SsdEntry, out: memoryview) -> None:
+        """Only the read of :meth:`read_into`, touching no pool state: safe on
+        a worker thread while the entry is taken (its slot cannot be reused)."""
         view = out[:entry.size]
-        if entry.pending is not None:  # still being written: the copy is the block
-            view[:] = entry.pending
-            self.reads += 1
+        pending = entry.pending
+        if pending is not None:  # still being written: the copy is the block
+            view[:] = pending
             return
+        if entry.slot < 0:
+            raise OSError(f"block lost from SSD pool {self.path}: its write failed")
         off = entry.slot * self.page_bytes
         done = 0
         while done < entry.size:
@@ -210,7 +218,6 @@ class SsdPool:
             if n <= 0:
                 raise OSError(f"short read from SSD pool {self.path} at slot {entry.slot}")
             done += n
-        self.reads += 1
 
     def release_slot(self, entry: SsdEntry) -> None:
         """Give back the slot of an entry taken for promotion."""

@@ -19,6 +19,7 @@ promoted entry must not change state until :meth:`read_back` or
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 
 from kvstore.events import EventLog
@@ -101,6 +102,21 @@ class SsdTier:
             self._counters.ssd_drops += 1
             self._events.evicted(key)
             raise
+        self.pool.release_slot(entry)
+        self._counters.promotions += 1
+
+    async def read_back_off_loop(self, key: int, entry: SsdEntry, out: memoryview) -> None:
+        """:meth:`read_back` with the disk read on a worker thread: the entry
+        is out of the index and its slot reserved, so nothing else touches
+        them meanwhile; the slot and the counters change on the loop."""
+        try:
+            await asyncio.to_thread(self.pool.read_bytes, entry, out)
+        except OSError:
+            self.pool.release_slot(entry)
+            self._counters.ssd_drops += 1
+            self._events.evicted(key)
+            raise
+        self.pool.reads += 1
         self.pool.release_slot(entry)
         self._counters.promotions += 1
 

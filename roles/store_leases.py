@@ -80,7 +80,9 @@ def add_lease_routes(app: web.Application) -> None:
         req = await read_message(request, LeaseRequest, 8 << 20)
         if not 0 < req.ttl_s <= MAX_TTL_S:
             raise ApiError(400, f"lease.ttl_s: must be in (0, {MAX_TTL_S}]", param="lease.ttl_s")
-        lease_id, pages = request.app[LEASES].grant(req.keys, req.ttl_s, time.monotonic())
+        table = request.app[LEASES]
+        await table.shard.promote_prefix(req.keys)   # SSD reads off the event loop
+        lease_id, pages = table.grant(req.keys, req.ttl_s, time.monotonic())
         worker = request.app[WORKER]
         return reply(LeaseGrant(lease_id=lease_id, pages=pages, region=worker.region_id,
                                 segment=worker.engine.name))

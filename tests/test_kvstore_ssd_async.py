@@ -244,3 +244,73 @@ def test_close_waits_for_writes_in_flight(tmp_path) -> None:
         return pool_of(s)
 
     asyncio.run(go())
+
+
+class GatedReads:
+    """The pool's worker-thread read, blocked until the test opens the gate
+    (bounded like GatedWrites)."""
+
+    def __init__(self, pool: SsdPool, limit_s: float = 5.0) -> None:
+        self.real = pool.read_bytes
+        self.gate = threading.Event()
+        self.limit_s = limit_s
+        pool.read_bytes = self  # type: ignore[method-assign]
+
+    def __call__(self, entry, out) -> None:
+        if not self.gate.wait(self.limit_s):
+            raise OSError("the gate was never opened: the event loop was blocked")
+        self.real(entry, out)
+
+
+async def test_event_loop_runs_while_a_promotion_read_is_in_flight(tmp_path) -> None:
+    s = make_shard(tmp_path)
+    try:
+        for k in range(3):
+            s.put(k, page(k))                   # 0 goes to SSD
+        s.wait_ssd_writes()
+        assert s.tier_of(0) == "ssd"
+        reads = GatedReads(pool_of(s))
+        progress: list[str] = []
+
+        async def other_work() -> None:
+            await asyncio.sleep(0)
+            progress.append("ran during the read")
+            reads.gate.set()
+
+        other = asyncio.create_task(other_work())
+        promote = asyncio.create_task(s.promote_prefix([0, 1, 2]))
+        await asyncio.sleep(0)
+        assert s.stats().private_pages == 1      # the page being read into, not yet a block
+        # Two pages: 0 comes back (evicting 1), then 1 (evicting 2); 2 would
+        # need a page, but both hold the pinned prefix [0, 1]: it stops there.
+        assert await asyncio.wait_for(promote, 10) == 2
+        assert (s.tier_of(1), s.tier_of(2)) == ("dram", "ssd")
+        await other
+        assert progress == ["ran during the read"]
+        assert s.tier_of(0) == "dram" and bytes(s.get(0)) == page(0)
+        assert s.acquire_prefix([0]) == [s.page_of(0)]
+        s.release([0])
+        assert s.stats().private_pages == 0
+        s.check_integrity()
+    finally:
+        s.close()
+
+
+async def test_a_promotion_cancelled_mid_read_keeps_the_page_until_the_read_ends(tmp_path) -> None:
+    s = make_shard(tmp_path)
+    try:
+        for k in range(3):
+            s.put(k, page(k))
+        s.wait_ssd_writes()
+        reads = GatedReads(pool_of(s))
+        promote = asyncio.create_task(s.promote_prefix([0]))
+        await asyncio.sleep(0.05)
+        promote.cancel()
+        await asyncio.gather(promote, return_exceptions=True)
+        assert s.stats().private_pages == 1      # the thread still writes into it
+        reads.gate.set()
+        await eventually(lambda: s.stats().private_pages == 0)
+        assert s.tier_of(0) == "dram" and bytes(s.get(0)) == page(0)   # the read's block kept
+        s.check_integrity()
+    finally:
+        s.close()

@@ -80,6 +80,9 @@ class PrefillJob:
         if not self.prefix_cache:
             return []
         reusable = spec.block_keys[:max_blocks]
+        # Blocks on the SSD tier are read back off the event loop first; the
+        # acquire right after (no await between) finds them in DRAM.
+        await shard.promote_prefix(reusable)
         pages = shard.acquire_prefix(reusable, spec.token_ids)
         self.pinned_keys = list(reusable[:len(pages)])
         result.local_hit_tokens = len(pages) * self.bs

@@ -650,3 +650,18 @@ async def test_a_connection_dropped_before_the_answer_is_retried_on_fresh_pages(
         await server.close()
         dropper.close()
         await dropper.wait_closed()
+
+
+async def test_a_draining_decode_node_is_sent_no_new_request(conductor_for):
+    """POST /admin/drain on a decode node shows in its heartbeat: the conductor
+    stops choosing it (with no other decode node: 503 no_decode_capacity) until
+    it is undrained, as for a prefill node."""
+    c = await conductor_for()
+    registry = c.cluster.registry
+    registry.heartbeat("decode-0", {"draining": True}, time.monotonic())
+    error = await run(c.dispatcher.generate("req-d1", PROMPT, sampling()), [])
+    assert error is not None and error.status == 503 and error.code == "no_decode_capacity"
+    assert c.decode.reserves == []
+    registry.heartbeat("decode-0", {"draining": False}, time.monotonic())
+    assert await run(c.dispatcher.generate("req-d2", PROMPT, sampling()), []) is None
+    c.assert_capacity_returned()

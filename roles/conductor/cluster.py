@@ -119,8 +119,12 @@ class ClusterView:
                     return
                 node = f"cpp:{group}"  # the head's queue is the group's queue
             load = record.load
+            # A draining node (POST /admin/drain, or shutting down) finishes
+            # what it holds and is sent nothing new.
             if node in sched.prefill:
                 sched.prefill[node].accepting = not load.get("draining", False)
+            if node in sched.decode:
+                sched.decode[node].accepting = not load.get("draining", False)
             sched.on_node_report(node, NodeReport(
                 at=time.monotonic(), queued_prefill_s=load.get("queued_prefill_s"),
                 batch_size=load.get("batch_size"), context_tokens=load.get("context_tokens"),
@@ -196,7 +200,8 @@ class ClusterView:
             "indexed_blocks": sum(sched.index.blocks_on(n) for n in sched.prefill),
             "prefill": {n: {"alive": s.alive, "accepting": s.accepting, "queue_s": round(s.queue_time(time.monotonic()), 4),
                             "cached_blocks": sched.index.blocks_on(n)} for n, s in sched.prefill.items()},
-            "decode": {n: {"alive": d.alive, "batch_size": d.batch_size, "free_pages": d.free_pages}
+            "decode": {n: {"alive": d.alive, "accepting": d.accepting, "batch_size": d.batch_size,
+                           "free_pages": d.free_pages}
                        for n, d in sched.decode.items()},
             "rejections": dict(sched.rejections),
             "ttft_error_mean_s": sum(errors) / len(errors) if errors else None,

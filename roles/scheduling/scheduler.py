@@ -254,7 +254,7 @@ class Scheduler:
         tokens = req.prompt_tokens + req.expected_output_tokens
         best, best_tbt = None, math.inf
         for d in self.decode.values():
-            if not d.alive or d.free_pages < d.pages_for(tokens):
+            if not d.alive or not d.accepting or d.free_pages < d.pages_for(tokens):
                 continue
             if now is None:
                 tbt = self.decode_est.seconds(d.batch_size + 1, d.context_tokens + tokens)

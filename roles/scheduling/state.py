@@ -157,6 +157,7 @@ class DecodeNodeState:
     page_budget: int
     page_tokens: int
     alive: bool = True
+    accepting: bool = True  # False while draining: finishes its sequences, takes no new one
     batch_size: int = 0
     context_tokens: int = 0
     free_pages: int = -1  # -1: start equal to page_budget

@@ -78,6 +78,8 @@ class CacheEventPusher:
 
     async def _push(self) -> None:
         base = self.base
+        if not base:
+            return  # no conductor known yet (etcd has not named the leader): the loop retries
         if base != self._snapshot_sent_to:
             # Another conductor (with etcd, a newly elected leader) starts from
             # a snapshot, even when this shard has no new events to push.

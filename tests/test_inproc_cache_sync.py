@@ -85,3 +85,31 @@ async def test_a_failed_push_never_fails_the_prefill_and_the_loop_catches_up():
             await pusher.close()
             await client.close()
             shard.close()
+
+
+async def test_nothing_is_pushed_before_a_conductor_is_known():
+    """With etcd a worker knows no conductor until etcd names the leader (its
+    locator holds ""): the pusher waits, then snapshots to the leader once
+    named, instead of trying node.conductor_url first."""
+    from mooncaked.node.config import NodeConfig
+    from mooncaked.node.context import NodeContext
+    from mooncaked.node.sections import EtcdSection
+
+    ctx = NodeContext(NodeConfig(etcd=EtcdSection(endpoints=["127.0.0.1:2379"])))
+    assert ctx.conductor() == ""
+    conductor = StandInConductor()
+    shard = _shard()
+    client = InternalClient.open()
+    async with TestServer(conductor.app(), host="127.0.0.1") as server:
+        pusher = CacheEventPusher(shard, client, ctx.conductor, "prefill-0", interval_s=0.02)
+        try:
+            pusher.start()
+            _store_one_block(shard, 100)
+            assert await pusher.flush() is False
+            ctx.conductor.url = str(server.make_url("")).rstrip("/")   # etcd named the leader
+            await eventually(lambda: len(conductor.snapshots) == 1)
+            assert conductor.snapshots[0]["keys"] == [100]
+        finally:
+            await pusher.close()
+            await client.close()
+            shard.close()

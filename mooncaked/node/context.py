@@ -45,7 +45,10 @@ class NodeContext:
     conductor: ConductorLocator = field(init=False)
 
     def __post_init__(self) -> None:
-        self.conductor = ConductorLocator(self.config.node.conductor_url)
+        # With etcd the leader is not known until etcd names it: "" until then
+        # (nothing is sent to node.conductor_url, which may be no conductor).
+        self.conductor = ConductorLocator("" if self.config.etcd.enabled
+                                          else self.config.node.conductor_url)
         ProcessCollector(registry=self.metrics)
         PlatformCollector(registry=self.metrics)
         Info("mooncaked_node", "Node identity", registry=self.metrics).info(

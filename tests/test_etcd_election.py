@@ -165,3 +165,21 @@ async def test_no_etcd_at_all_is_reported_not_raised(tmp_path):
     assert not election.reachable and not election.is_leader
     assert "127.0.0.1:1" in election.status()["last_error"]
     await election.close()
+
+
+async def test_status_says_campaigning_until_the_first_round_ends_then_unreachable():
+    """A conductor just started has not failed to reach etcd yet: its status
+    says "campaigning", not "etcd_unreachable", until its first round ends."""
+    from mooncaked.launcher import free_port
+
+    dead = EtcdSection(endpoints=[f"127.0.0.1:{free_port()}"], lease_ttl_s=TTL, cluster="t",
+                       request_timeout_s=0.3)
+    me = ConductorRecord(conductor_id="a", url="http://a:1", incarnation=new_incarnation())
+    election = LeaderElection(EtcdStore(dead), me, TTL)
+    assert election.role == "campaigning"
+    election.start()
+    try:
+        await eventually(lambda: election.role == "etcd_unreachable", 10)
+        assert not election.is_leader and election.status()["last_error"]
+    finally:
+        await election.close()

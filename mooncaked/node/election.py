@@ -58,7 +58,7 @@ class LeaderElection:
         self.is_leader = False
         self.reachable = False
         self.leader: ConductorRecord | None = None
-        self.last_error = "not connected to etcd yet"
+        self.last_error = "not connected to etcd yet"  # until the first round ends
         self.elected_at: float | None = None
         self._lease: int | None = None
         self._renewed_at: float | None = None
@@ -110,6 +110,8 @@ class LeaderElection:
         """leader | standby (another leads) | campaigning (no leader known) | etcd_unreachable"""
         if self.is_leader:
             return "leader"
+        if self._round_ok_at is None and self.last_error.startswith("not connected"):
+            return "campaigning"  # the first round has not ended yet
         if not self.reachable:
             return "etcd_unreachable"
         return "standby" if self.leader is not None and self.leader != self.me else "campaigning"

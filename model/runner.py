@@ -263,22 +263,16 @@ class ModelRunner:
         """
         if not seqs:
             raise ValueError("decode_step needs at least one sequence")
-        w, c, bs = self.weights, self.config, self.block_size
+        w, c = self.weights, self.config
         self._need_all_layers("decode_step")
         self._check_tokens([s.token_id for s in seqs])
         positions = [s.position for s in seqs]
         if any(not 0 <= p < c.max_position for p in positions):
             raise ValueError(f"positions must be in [0, {c.max_position}): {positions}")
         tables = [self._block_table(s.block_table, s.position + 1) for s in seqs]
-        max_blocks = max(t.shape[0] for t in tables)
-        # Pad tables with their own first page: a valid id whose slots are masked.
-        padded = torch.stack([torch.cat([t, t[:1].expand(max_blocks - t.shape[0])])
-                              for t in tables])
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        valid = torch.arange(max_blocks * bs, device=self.device)[None, :] <= pos[:, None]
         cos, sin = self.rope.cos_sin(pos, w.dtype)
         x = F.embedding(torch.tensor([s.token_id for s in seqs], device=self.device), w.embed)
         for i, lw in enumerate(w.layers):
-            x = decode_layer(x, lw, c, w.first_layer + i, self.kv_pages, padded, pos, valid,
-                             cos, sin)
+            x = decode_layer(x, lw, c, w.first_layer + i, self.kv_pages, tables, pos, cos, sin)
         return self._logits(x)

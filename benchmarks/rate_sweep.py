@@ -40,7 +40,7 @@ from mooncaked.benchserve.replay import ReplayConfig, run_replay  # noqa: E402
 from mooncaked.benchserve.report import Slo  # noqa: E402
 from mooncaked.benchserve.session import MACHINE_NOTE, run_bench  # noqa: E402
 from mooncaked.benchserve.workload import WorkloadConfig, build_workload  # noqa: E402
-from vllm_compare import build_checkpoint, ensure_vllm_venv, vllm_target  # noqa: E402
+from vllm_compare import ensure_vllm_venv, prepare_checkpoint, vllm_target  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -177,15 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("/tmp/mooncaked-rate-sweep"))
     args = ap.parse_args(argv)
 
-    model_dir = args.model_dir or args.workdir / "random-llama"
-    if args.model_dir is None and not (model_dir / "config.json").is_file():
-        log(f"building a random LlamaForCausalLM in {model_dir}")
-        build_checkpoint(model_dir, vocab=1024, seed=0)
-    from model.tokenizer import HFTokenizer
-    vocab = HFTokenizer(model_dir).vocab_size
-    cfg = json.loads((model_dir / "config.json").read_text())
-    max_len = int(cfg.get("max_position_embeddings", 4096))
-    reserved = min(vocab - 1, 256) if vocab > 512 else 3
+    model_dir, vocab, max_len, reserved = prepare_checkpoint(args.model_dir, args.workdir)
     rates = [float(x) for x in args.rates.split(",") if x.strip()]
     slo = Slo(args.ttft_slo, args.tbt_slo)
     wanted = [s.strip() for s in args.servers.split(",") if s.strip()]

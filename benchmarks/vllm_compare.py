@@ -86,6 +86,24 @@ def build_checkpoint(path: Path, vocab: int, seed: int) -> None:
     fast.save_pretrained(path)
 
 
+def prepare_checkpoint(model_dir: Path | None, workdir: Path) -> tuple[Path, int, int, int]:
+    """The checkpoint both servers load (``model_dir``, else a random one built
+    once under ``workdir``): its path, vocabulary size, context length, and
+    how many of the lowest token ids prompts avoid (HF tokenizers keep their
+    specials there)."""
+    if model_dir is None:
+        model_dir = workdir / "random-llama"
+        if not (model_dir / "config.json").is_file():
+            log(f"building a random LlamaForCausalLM in {model_dir}")
+            build_checkpoint(model_dir, vocab=1024, seed=0)
+    from model.tokenizer import HFTokenizer
+    vocab = HFTokenizer(model_dir).vocab_size
+    cfg = json.loads((model_dir / "config.json").read_text())
+    max_len = int(cfg.get("max_position_embeddings", 4096))
+    reserved = min(vocab - 1, 256) if vocab > 512 else len(SPECIALS)
+    return model_dir, vocab, max_len, reserved
+
+
 def ensure_vllm_venv(venv: Path) -> Path:
     python = venv / "bin" / "python"
     if (venv / ".ready").is_file():
@@ -168,16 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("/tmp/mooncaked-vllm-compare"))
     args = ap.parse_args(argv)
 
-    model_dir = args.model_dir or args.workdir / "random-llama"
-    if args.model_dir is None and not (model_dir / "config.json").is_file():
-        log(f"building a random LlamaForCausalLM in {model_dir}")
-        build_checkpoint(model_dir, vocab=1024, seed=0)
-    from model.tokenizer import HFTokenizer
-    vocab = HFTokenizer(model_dir).vocab_size
-    cfg = json.loads((model_dir / "config.json").read_text())
-    max_len = int(cfg.get("max_position_embeddings", 4096))
-    # Prompt ids avoid the lowest ids, where HF tokenizers keep their specials.
-    reserved = min(vocab - 1, 256) if vocab > 512 else len(SPECIALS)
+    model_dir, vocab, max_len, reserved = prepare_checkpoint(args.model_dir, args.workdir)
     wl = WorkloadConfig(trace=args.trace, offset=args.offset, max_requests=args.max_requests,
                         time_scale=args.time_scale, length_scale=args.length_scale,
                         output_scale=args.output_scale, max_output_tokens=args.max_output_tokens, vocab_size=vocab,

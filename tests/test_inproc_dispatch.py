@@ -13,6 +13,7 @@ max_tokens) and gets back on every path out.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -571,42 +572,50 @@ async def test_heartbeats_carry_the_prefill_requests_the_node_holds(conductor_fo
     assert [rid for rid, p in sched.prefill["prefill-0"].pending.items() if not p.in_report] == []
 
 
+@contextlib.asynccontextmanager
+async def a_busier_second_prefill_node(c: Conductor):
+    """A live stand-in prefill-1 beside the conductor's prefill-0, with a queue
+    booked on it so that the scheduler tries prefill-0 first; yields the
+    stand-in and checks on the way out that the booking was left alone."""
+    from roles.scheduling.state import PendingPrefill
+
+    live = FakePrefill()
+    server = TestServer(live.app(), host="127.0.0.1")
+    await server.start_server()
+    try:
+        c.cluster.registry.register(NodeRegistration(
+            node_id="prefill-1", role="prefill", url=str(server.make_url("")).rstrip("/"),
+            capacity={"pages": PAGES, "block_size": BLOCK, "kv_bytes_per_token": 1024}),
+            time.monotonic())
+        pending = c.sched.prefill["prefill-1"].pending
+        pending["busy"] = PendingPrefill(0.5, time.monotonic())
+        yield live
+        assert set(pending) == {"busy"}
+        del pending["busy"]
+    finally:
+        await server.close()
+
+
 async def test_a_request_refused_by_a_killed_prefill_node_is_served_by_another(conductor_for):
     """A refused connection means no byte reached the node: the request is
     rescheduled on a live prefill node, keeping its decode reservation,
     instead of failing (the first request after a kill -9 used to get 502)."""
-    from roles.scheduling.state import PendingPrefill
-
     closed = TestServer(web.Application(), host="127.0.0.1")
     await closed.start_server()
     dead_url = str(closed.make_url("")).rstrip("/")
     await closed.close()
     c = await conductor_for(prefill_url=dead_url)
-    live = FakePrefill()
-    server = TestServer(live.app(), host="127.0.0.1")
-    await server.start_server()
-    try:
-        sched, registry = c.sched, c.cluster.registry
-        registry.register(NodeRegistration(
-            node_id="prefill-1", role="prefill", url=str(server.make_url("")).rstrip("/"),
-            capacity={"pages": PAGES, "block_size": BLOCK, "kv_bytes_per_token": 1024}),
-            time.monotonic())
-        # A queue booked on prefill-1 makes the idle (dead) prefill-0 the first choice.
-        sched.prefill["prefill-1"].pending["busy"] = PendingPrefill(0.5, time.monotonic())
+    async with a_busier_second_prefill_node(c) as live:
         events: list = []
         error = await run(c.dispatcher.generate("req-r", PROMPT, sampling()), events)
         assert error is None
         assert tokens_of(events)[-1][3] == "length"
         assert [r.request_id for r in live.received] == ["req-r"]
-        assert not registry.get("prefill-0").alive
+        assert not c.cluster.registry.get("prefill-0").alive
         trace = c.dispatcher.traces["req-r"]
         assert (trace.prefill_node, trace.prefill_attempts, trace.status) == ("prefill-1", 2, "ok")
         assert len(c.decode.reserves) == 1 and c.decode.cancels == []   # pages kept
-        assert set(sched.prefill["prefill-1"].pending) == {"busy"}
-        del sched.prefill["prefill-1"].pending["busy"]
-        c.assert_capacity_returned()
-    finally:
-        await server.close()
+    c.assert_capacity_returned()
 
 
 async def test_a_connection_dropped_before_the_answer_is_retried_on_fresh_pages(conductor_for):
@@ -614,8 +623,6 @@ async def test_a_connection_dropped_before_the_answer_is_retried_on_fresh_pages(
     request: the node may have started writing KV, so the retry on another
     node releases the decode reservation (revoking its WRITE capability) and
     reserves again instead of reusing the pages."""
-    from roles.scheduling.state import PendingPrefill
-
     async def reset_after_reading(reader: asyncio.StreamReader,
                                   writer: asyncio.StreamWriter) -> None:
         await reader.read(1024)          # the request arrived: now die without answering
@@ -624,30 +631,20 @@ async def test_a_connection_dropped_before_the_answer_is_retried_on_fresh_pages(
     dropper = await asyncio.start_server(reset_after_reading, "127.0.0.1", 0)
     port = dropper.sockets[0].getsockname()[1]
     c = await conductor_for(prefill_url=f"http://127.0.0.1:{port}")
-    live = FakePrefill()
-    server = TestServer(live.app(), host="127.0.0.1")
-    await server.start_server()
     try:
-        sched, registry = c.sched, c.cluster.registry
-        registry.register(NodeRegistration(
-            node_id="prefill-1", role="prefill", url=str(server.make_url("")).rstrip("/"),
-            capacity={"pages": PAGES, "block_size": BLOCK, "kv_bytes_per_token": 1024}),
-            time.monotonic())
-        sched.prefill["prefill-1"].pending["busy"] = PendingPrefill(0.5, time.monotonic())
-        events: list = []
-        error = await run(c.dispatcher.generate("req-l", PROMPT, sampling()), events)
-        assert error is None
-        assert [r.request_id for r in live.received] == ["req-l"]
-        assert not registry.get("prefill-0").alive
-        trace = c.dispatcher.traces["req-l"]
-        assert (trace.prefill_node, trace.prefill_attempts, trace.status) == ("prefill-1", 2, "ok")
-        # The first reservation was released, a second one made for the retry.
-        assert [r.request_id for r in c.decode.reserves] == ["req-l", "req-l"]
-        assert c.decode.cancels == ["req-l"]
-        del sched.prefill["prefill-1"].pending["busy"]
+        async with a_busier_second_prefill_node(c) as live:
+            error = await run(c.dispatcher.generate("req-l", PROMPT, sampling()), [])
+            assert error is None
+            assert [r.request_id for r in live.received] == ["req-l"]
+            assert not c.cluster.registry.get("prefill-0").alive
+            trace = c.dispatcher.traces["req-l"]
+            assert (trace.prefill_node, trace.prefill_attempts, trace.status) == (
+                "prefill-1", 2, "ok")
+            # The first reservation was released, a second one made for the retry.
+            assert [r.request_id for r in c.decode.reserves] == ["req-l", "req-l"]
+            assert c.decode.cancels == ["req-l"]
         c.assert_capacity_returned()
     finally:
-        await server.close()
         dropper.close()
         await dropper.wait_closed()
 

@@ -118,13 +118,5 @@ class EtcdDiscovery:
                 self.reachable = False
 
     async def _watch_loop(self) -> None:
-        while True:
-            try:
-                async for _ in self.store.changes(self.store.keys.leader):
-                    self._wake.set()
-            except EtcdUnavailable as exc:
-                log.debug("leader watch: %s", exc)
-            except Exception as exc:  # noqa: BLE001 - the client's stream errors vary; rounds go on
-                log.debug("leader watch failed: %r", exc)
-            await asyncio.sleep(self.round_s)
+        await self.store.wake_on_changes(self.store.keys.leader, self._wake, self.round_s)
 

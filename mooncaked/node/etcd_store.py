@@ -198,6 +198,20 @@ class EtcdStore:
             success=[tx.delete(key)], failure=[])
         return bool(succeeded)
 
+    async def wake_on_changes(self, key: bytes, wake: asyncio.Event, retry_s: float) -> None:
+        """Set ``wake`` at every change of ``key``, until cancelled; a broken
+        watch is opened again ``retry_s`` later (the callers' rounds go on
+        meanwhile, so a missed change only costs a round)."""
+        while True:
+            try:
+                async for _ in self.changes(key):
+                    wake.set()
+            except EtcdUnavailable as exc:
+                log.debug("watch on %s: %s", key.decode(), exc)
+            except Exception as exc:  # noqa: BLE001 - the client's stream errors vary
+                log.debug("watch on %s failed: %r", key.decode(), exc)
+            await asyncio.sleep(retry_s)
+
     async def changes(self, key: bytes, *, prefix: bool = False) -> AsyncIterator[None]:
         """One item per change of ``key`` (or of the keys under it), as etcd
         reports them; ends with EtcdUnavailable when the watch breaks.  Callers

@@ -499,7 +499,8 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"mooncaked up: {exc}", err=True)
             raise typer.Exit(2) from None
         if cluster.placement is not None:
-            typer.echo(cluster.placement.describe(), err=True)
+            typer.echo(cluster.placement.describe({PREFILL: "colocated"} if colocated else None),
+                       err=True)
         stop_requested = []
 
         def on_signal(signum, frame):  # noqa: ARG001

@@ -90,16 +90,19 @@ class Placement:
         """Every CPU the nodes of a role may run on."""
         return frozenset(c for n in self.nodes if n.role == role for c in n.cpus)
 
-    def describe(self) -> str:
+    def describe(self, names: dict[str, str] | None = None) -> str:
+        """The placement as ``up`` prints it; ``names`` renames a role in the
+        text (colocated nodes are placed as the prefill role)."""
         lines = []
         for role in (CONDUCTOR, PREFILL, DECODE):
             nodes = [n for n in self.nodes if n.role == role]
             if not nodes:
                 continue
-            parts = ", ".join(f"{role}-{n.index}: cpus {format_cpus(n.cpus)} ({n.threads} "
+            shown = (names or {}).get(role, role)
+            parts = ", ".join(f"{shown}-{n.index}: cpus {format_cpus(n.cpus)} ({n.threads} "
                               f"thread{'s' if n.threads != 1 else ''})" for n in nodes) \
                 if role != CONDUCTOR else f"cpus {format_cpus(nodes[0].cpus)}"
-            lines.append(f"  {role}: {parts}")
+            lines.append(f"  {shown}: {parts}")
         return "\n".join(["placement (" + ("prefill and decode on disjoint CPU sets"
                                            if self.split else "one shared CPU set") + "):",
                           *lines, *(f"  note: {n}" for n in self.notes)])

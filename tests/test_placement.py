@@ -83,3 +83,10 @@ def test_spawned_child_runs_on_its_cpu_set(tmp_path):
         assert os.sched_getaffinity(free.proc.pid) == os.sched_getaffinity(0)
     finally:
         free.kill()
+
+
+def test_colocated_nodes_are_printed_as_colocated():
+    """Colocated nodes are placed as the prefill role (no split), but the
+    printed placement names them as what they are."""
+    text = place([0, 1], 1, 0).describe({"prefill": "colocated"})
+    assert "colocated-0: cpus 0-1" in text and "prefill" not in text

@@ -162,6 +162,20 @@ def supervised(cluster: LocalCluster) -> Iterator[list[str]]:
         raise errors[0]
 
 
+def node_pid(up: subprocess.Popen, name: str) -> int | None:
+    """The pid of ``up``'s node ``name`` (from the children's command lines)."""
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(up.pid)],
+                         capture_output=True, text=True).stdout
+    for pid in map(int, out.split()):
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except FileNotFoundError:
+            continue
+        if b"--node-id" in args and args[args.index(b"--node-id") + 1] == name.encode():
+            return pid
+    return None
+
+
 # -- why a test cannot run here -----------------------------------------------------
 
 def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -448,16 +462,7 @@ class NetnsCluster:
         return self.call(http_json, url, timeout=timeout)
 
     def wait_ready(self, child: NsChild, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            child.check_alive()
-            try:
-                if self.get(child.url + "/readyz", timeout=1.0)[0] == 200:
-                    return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"{child.name} not ready in time (log: {child.log_path})")
+        wait_ns_ready(self.get, child, timeout_s)
 
     def peers(self) -> set[str]:
         return {p["node_id"] for p in self.get(self.url + "/admin/status")[1].get("peers", [])}
@@ -475,3 +480,18 @@ class NetnsCluster:
 
     def wait_nothing_left(self, timeout: float) -> float:
         return wait_nothing_left(self.worker_urls(), timeout, get=self.get)
+
+
+def wait_ns_ready(get: Callable[..., tuple[int, dict]], child: NsChild, timeout_s: float) -> None:
+    """Until ``child`` answers /readyz 200 (``get`` reaches into its namespace);
+    RuntimeError with its log's tail when it dies or does not within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        child.check_alive()
+        try:
+            if get(child.url + "/readyz", timeout=1.0)[0] == 200:
+                return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{child.name} not ready in {timeout_s:.0f}s:{child.tail(8)}")

@@ -50,7 +50,8 @@ from urllib.parse import urlsplit
 
 from mooncaked.etcd_process import find_etcd
 from mooncaked.launcher import http_json, mooncaked_cmd
-from tests.fault_rig import Host, NetnsRig, NsChild, enter_netns, netns_unusable, wait_nothing_left
+from tests.fault_rig import (Host, NetnsRig, NsChild, enter_netns, netns_unusable,
+                             wait_nothing_left, wait_ns_ready)
 from tests.paths import REPO
 
 DEPLOY = REPO / "etc" / "deploy"
@@ -406,16 +407,7 @@ class MultiHostCluster:
         return self.call(http_json, self.nodes[name].url + path, {}, self.admin, timeout=10)
 
     def wait_ready(self, child: NsChild, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            child.check_alive()
-            try:
-                if self.get(child.url + "/readyz", timeout=1.0)[0] == 200:
-                    return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"{child.name} not ready in {timeout_s:.0f}s:{child.tail(8)}")
+        wait_ns_ready(self.get, child, timeout_s)
 
     def etcd_healthy(self, member: EtcdMember) -> bool:
         try:

@@ -16,13 +16,13 @@ import signal
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from mooncaked.launcher import LocalCluster
 from tests.cluster_helpers import ADMIN, complete, start_cluster, stream_lines, tokens, trace_of
-from tests.fault_rig import reference, report, supervised, wait_nothing_left, worker_urls
+from tests.fault_rig import (node_pid, reference, report, supervised, wait_nothing_left,
+                             worker_urls)
 from tests.nodes import FAST, REPO, SMALL, get_json, mooncaked_cmd, post_json, wait_until
 
 pytestmark = pytest.mark.slow  # real node processes, kill -9
@@ -162,20 +162,6 @@ def test_kill_conductor_mid_stream(supervised_cluster):
 
 
 # -- the issue's "Done when", under a real `mooncaked up` -------------------------------
-
-def node_pid(up: subprocess.Popen, name: str) -> int | None:
-    """The pid of ``up``'s node ``name`` (from the children's command lines)."""
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(up.pid)],
-                         capture_output=True, text=True).stdout
-    for pid in map(int, out.split()):
-        try:
-            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except FileNotFoundError:
-            continue
-        if b"--node-id" in args and args[args.index(b"--node-id") + 1] == name.encode():
-            return pid
-    return None
-
 
 def long_stream(url: str, seed: int, outcome: dict) -> None:
     """A long streaming completion; ``outcome`` gets its prefill node, chunk

@@ -20,6 +20,7 @@ import pytest
 from mooncaked.launcher import Child, LocalCluster, NodeExited
 from mooncaked.supervisor import CrashLoop
 from tests.cluster_helpers import ADMIN, complete, reference_greedy, tokens, trace_of
+from tests.fault_rig import node_pid, supervised
 from tests.nodes import FAST, REPO, SMALL, get_json, mooncaked_cmd, peers, post_json, wait_until
 
 # tests/nodes.py's FAST membership (heartbeats every 0.2 s, dead after 1 s) as --set items.
@@ -29,30 +30,6 @@ FAST_MEMBERSHIP = FAST[1::2]
 @pytest.fixture
 def cluster(local_cluster) -> LocalCluster:
     return local_cluster(prefill=2, decode=1, model="tiny", extra=FAST_MEMBERSHIP)
-
-
-@contextmanager
-def supervised(cluster: LocalCluster) -> Iterator[list[str]]:
-    """``cluster.supervise`` in a thread while the block runs: the lines it logs."""
-    lines: list[str] = []
-    errors: list[BaseException] = []
-    stop = threading.Event()
-
-    def run() -> None:
-        try:
-            cluster.supervise(stop, log=lines.append, interval_s=0.1)
-        except BaseException as exc:  # re-raised in the test's thread
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    try:
-        yield lines
-    finally:
-        stop.set()
-        thread.join(timeout=10)
-    if errors:
-        raise errors[0]
 
 
 def node(cluster: LocalCluster, name: str) -> Child:
@@ -161,20 +138,6 @@ def test_a_node_that_keeps_dying_is_a_crash_loop(local_cluster):
     assert node(cluster, "conductor").proc.poll() is None
     assert node(cluster, "decode-0").proc.poll() is None
     assert peers(cluster.conductor) == {"decode-0"}
-
-
-def node_pid(up: subprocess.Popen, name: str) -> int | None:
-    """The pid of ``up``'s node ``name`` (from the children's command lines)."""
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(up.pid)],
-                         capture_output=True, text=True).stdout
-    for pid in map(int, out.split()):
-        try:
-            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except FileNotFoundError:
-            continue
-        if b"--node-id" in args and args[args.index(b"--node-id") + 1] == name.encode():
-            return pid
-    return None
 
 
 @contextmanager

@@ -150,11 +150,15 @@ def prefill_layer(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer: int,
 
 def decode_layer(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer: int,
                  kv_pages: torch.Tensor, block_tables: Sequence[torch.Tensor],
-                 positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                 ends: Sequence[int], token_pages: torch.Tensor, token_slots: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """One decoder layer for B requests, one new token each.
 
-    x: [B, hidden]; block_tables[b]: the pages of request b (at least
-    positions[b] // block_size + 1 of them); positions: [B].  The
+    x: [B, hidden]; ends[b]: the position of request b's new token;
+    block_tables[b]: its pages (at least ends[b] // block_size + 1 of them);
+    token_pages / token_slots: [B], the page and slot each new token's KV
+    goes to (the same for every layer: the caller computes them once per
+    step).  The
     projections and the MLP run batched; attention runs per request over
     exactly its own positions [0, positions[b]], gathered from its pages.
     Padding every request to the longest one (one batched attention) cost
@@ -163,11 +167,8 @@ def decode_layer(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer: int,
     stale bytes had to be zeroed first.
     """
     bsz = x.shape[0]
-    block_size = kv_pages.shape[3]
     q, k, v = _qkv(rms_norm(x, w.attn_norm, c.rms_eps), w, c, cos, sin)
-    ends = positions.tolist()
-    page_of_token = torch.stack([table[p // block_size] for table, p in zip(block_tables, ends)])
-    write_kv(kv_pages, layer, page_of_token, positions % block_size, k, v)
+    write_kv(kv_pages, layer, token_pages, token_slots, k, v)
     outs = []
     for b in range(bsz):
         keys, values = gather_kv(kv_pages, layer, block_tables[b], ends[b] + 1)

@@ -271,8 +271,11 @@ class ModelRunner:
             raise ValueError(f"positions must be in [0, {c.max_position}): {positions}")
         tables = [self._block_table(s.block_table, s.position + 1) for s in seqs]
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        token_pages = torch.stack([t[p // self.block_size] for t, p in zip(tables, positions)])
+        token_slots = pos % self.block_size
         cos, sin = self.rope.cos_sin(pos, w.dtype)
         x = F.embedding(torch.tensor([s.token_id for s in seqs], device=self.device), w.embed)
         for i, lw in enumerate(w.layers):
-            x = decode_layer(x, lw, c, w.first_layer + i, self.kv_pages, tables, pos, cos, sin)
+            x = decode_layer(x, lw, c, w.first_layer + i, self.kv_pages, tables, positions,
+                             token_pages, token_slots, cos, sin)
         return self._logits(x)

@@ -317,6 +317,23 @@ async def test_utf8_never_split_and_stop_inside_multibyte_text(api):
     assert data["choices"][0]["finish_reason"] == "length"
 
 
+async def test_every_token_streams_as_it_is_generated_even_inside_a_character(api):
+    # "€" is 3 bytes = 3 byte tokens: its text is complete only at the third,
+    # but each token must reach the client when it is generated (its own
+    # chunk, empty text until the character is whole), or the client's TTFT
+    # waits for the end of the character, and for byte-level outputs of a
+    # random model the end of the request.
+    text = "€€a"
+    api.backend.script = list(text.encode())
+    _, events = await post(api, "/v1/completions", _base(prompt="x", max_tokens=20,
+                                                         stream=True, logprobs=0))
+    chunks = [e["choices"][0] for e in events[:-1]]
+    assert len(chunks) == len(text.encode())  # one chunk per token
+    assert [len(c["logprobs"]["tokens"]) for c in chunks] == [1] * len(chunks)
+    assert [c["text"] for c in chunks] == ["", "", "€", "", "", "€", "a"]
+    assert chunks[-1]["finish_reason"] == "stop"
+
+
 async def test_logprobs_and_echo(api):
     _, data = await post(api, "/v1/completions", _base(prompt="abc", max_tokens=6, logprobs=1,
                                                        echo=True))

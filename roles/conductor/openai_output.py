@@ -79,8 +79,15 @@ class ChoiceOutput:
         self.text_parts.append(text)
         return Piece(self.req.index, text)
 
-    def on_token(self, event: Token) -> Piece | None:
-        """Output that ``event`` makes ready (None: held back for now)."""
+    def on_token(self, event: Token) -> Piece:
+        """Output for ``event``: one piece per token, its text possibly empty.
+
+        Text that is an incomplete UTF-8 character or may start a stop string
+        is held back, but the token's piece still goes out (with its logprobs
+        entry): a streaming client sees every token when it is generated, so
+        its TTFT and token spacing are the server's.  Holding the whole chunk
+        back instead delayed the first token of byte-level outputs until the
+        end of the request (vLLM also streams such tokens as empty deltas)."""
         now = time.monotonic()
         self.token_times.append(now)
         self.completion_tokens += 1
@@ -99,7 +106,7 @@ class ChoiceOutput:
         text, hit = self._stops.feed(delta)
         if hit:
             return self._finish_piece(text, "stop")
-        return self._piece(text) if text else None
+        return self._piece(text)
 
     def on_end(self) -> Piece:
         """The backend ended without a finish_reason: infer one."""

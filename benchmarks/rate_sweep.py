@@ -5,8 +5,10 @@ of the trace's own rate.
     .venv/bin/python benchmarks/rate_sweep.py --rates 1,2,4 --out /tmp/sweep
 
 For every rate and every server: a fresh server (cold cache), warmed on
-requests whose prefixes the trace never uses, then the slice replayed at that
-rate (arrival = trace timestamp / rate).  Servers alternate within a rate, so
+the ``--warmup`` requests that follow the slice in the trace, at the same rate
+and with hash ids moved so they share no block with the slice (the kernels,
+buffers and fitted estimators see the slice's shapes; its cache hits stay its
+own), then the slice replayed at that rate (arrival = trace timestamp / rate).  Servers alternate within a rate, so
 machine drift hits both.  mooncaked is started through the real ``mooncaked up``
 command line (``--up-args``, default: its defaults), so what is measured is
 the layout ``up`` picks for this machine.  vLLM: ``vllm_compare.vllm_target``
@@ -35,11 +37,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from mooncaked.benchserve.compare import Target, warmup_requests  # noqa: E402
+from mooncaked.benchserve.compare import Target  # noqa: E402
 from mooncaked.benchserve.replay import ReplayConfig, run_replay  # noqa: E402
 from mooncaked.benchserve.report import Slo  # noqa: E402
 from mooncaked.benchserve.session import MACHINE_NOTE, run_bench  # noqa: E402
-from mooncaked.benchserve.workload import WorkloadConfig, build_workload  # noqa: E402
+from mooncaked.benchserve.workload import WorkloadConfig, build_workload, warmup_slice  # noqa: E402
 from vllm_compare import ensure_vllm_venv, prepare_checkpoint, vllm_target  # noqa: E402
 
 
@@ -172,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tbt-slo", type=float, default=150.0)
     ap.add_argument("--up-args", default="", help="extra `mooncaked up` arguments, one string")
     ap.add_argument("--servers", default="mooncaked,vllm")
+    ap.add_argument("--warmup", type=int, default=40,
+                    help="warm-up requests: the ones after the slice, at the same rate, hash "
+                         "ids moved so they share no block with it")
     ap.add_argument("--max-duration", type=float, default=240.0)
     ap.add_argument("--vllm-start-timeout", type=float, default=600.0)
     ap.add_argument("--out", type=Path, default=Path("/tmp/mooncaked-rate-sweep"))
@@ -194,7 +199,6 @@ def main(argv: list[str] | None = None) -> int:
         python = ensure_vllm_venv(args.workdir / "venv-vllm")
         targets.append(vllm_target(python, model_dir, max_len, args.out / "logs" / "vllm.log",
                                    args.vllm_start_timeout))
-    warm = warmup_requests(3, 1024, block_tokens, vocab, reserved)
     rows: list[dict[str, Any]] = []
     for i, rate in enumerate(rates):
         wl = WorkloadConfig(trace=args.trace, offset=args.offset, max_requests=args.max_requests,
@@ -202,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                             output_scale=1.0, max_output_tokens=args.max_output_tokens, vocab_size=vocab,
                             reserved_tokens=reserved)
         reqs = build_workload(wl)
+        warm = warmup_slice(wl, args.warmup)
         longest = max(len(r.prompt) + r.max_tokens for r in reqs)
         if longest > max_len:
             raise SystemExit(f"the slice needs {longest} tokens of context; the model has {max_len}")

@@ -34,8 +34,8 @@ from typing import Callable, Optional
 import typer
 
 from mooncaked.etcd_process import EtcdProcess
-from mooncaked.placement import (CONDUCTOR, DECODE, PREFILL, NodePlacement, Placement, parse_cpus,
-                                 place)
+from mooncaked.placement import (CONDUCTOR, DECODE, DEFAULT_PREFILL_NODES, PREFILL, NodePlacement,
+                                 Placement, default_prefill_nodes, parse_cpus, place)
 from mooncaked.supervisor import CrashLoop, RestartPolicy, RestartTracker
 
 
@@ -428,10 +428,33 @@ def _placement(mode: str, cluster: LocalCluster, cpus_prefill: Optional[str],
                  parse_cpus(cpus_decode) if cpus_decode else None)
 
 
+def _default_prefill(mode: str, decode: int, colocated: int, cpus_prefill: Optional[str],
+                     cpus_decode: Optional[str]) -> int:
+    """``--prefill`` when not given: as many nodes (up to 2) as the placement
+    gives a prefill core each; 2 when nodes are not pinned."""
+    if colocated or mode != "auto":
+        return DEFAULT_PREFILL_NODES
+    try:
+        n = default_prefill_nodes(os.sched_getaffinity(0), decode,
+                                  parse_cpus(cpus_prefill) if cpus_prefill else None,
+                                  parse_cpus(cpus_decode) if cpus_decode else None)
+    except ValueError:
+        return DEFAULT_PREFILL_NODES  # _placement reports the error
+    if n < DEFAULT_PREFILL_NODES:
+        typer.echo(f"--prefill not given: {n} prefill node, since the placement leaves prefill "
+                   f"{n} CPU (--prefill {DEFAULT_PREFILL_NODES} runs {DEFAULT_PREFILL_NODES} "
+                   "nodes sharing it)", err=True)
+    return n
+
+
 def register(app: typer.Typer) -> None:
     @app.command("up")
     def up(
-        prefill: int = typer.Option(2, "--prefill", min=0, help="Number of prefill nodes."),
+        prefill: Optional[int] = typer.Option(
+            None, "--prefill", min=0,
+            help="Number of prefill nodes (default: 2, or 1 where --placement auto leaves "
+                 "prefill a single core: two nodes on one core would each run at half speed "
+                 "while the other is busy, which the scheduler cannot see)."),
         decode: int = typer.Option(1, "--decode", min=0, help="Number of decode nodes."),
         colocated: int = typer.Option(0, "--colocated", min=0,
                                       help="Run N colocated nodes (prefill+decode in one) instead."),
@@ -474,6 +497,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run a local cluster: one conductor plus prefill and decode nodes on loopback,
         restarting a node that dies."""
+        if prefill is None:
+            prefill = _default_prefill(placement, decode, colocated, cpus_prefill, cpus_decode)
         cluster = LocalCluster(prefill=prefill if not colocated else colocated,
                                decode=decode if not colocated else 0, model=model, config=config,
                                overrides=list(overrides) + (

@@ -20,6 +20,12 @@ Rules (``place``):
   passes through it, and rejections must answer fast, so it must not wait
   behind a prefill burst;
 - 1 core: nothing can be separated: everything shares it (said in the notes).
+
+``default_prefill_nodes`` is how many prefill nodes ``up`` runs when not told:
+two, fewer when the prefill set has fewer cores than that.  The scheduler
+prices each prefill node's queue as its own; two nodes time-slicing one core
+each run at half speed while the other is busy, which no per-node queue
+figure shows, so their predicted TTFTs come out too low exactly under load.
 """
 
 from __future__ import annotations
@@ -121,6 +127,22 @@ def _slices(cpus: Sequence[int], nodes: int) -> list[tuple[frozenset[int], int]]
             at += size
         return out
     return [(frozenset(cpus), 1)] * nodes  # fewer cores than nodes: they share, 1 thread each
+
+
+DEFAULT_PREFILL_NODES = 2
+
+
+def default_prefill_nodes(cpus: Iterable[int], decode: int,
+                          cpus_prefill: frozenset[int] | None = None,
+                          cpus_decode: frozenset[int] | None = None,
+                          wanted: int = DEFAULT_PREFILL_NODES) -> int:
+    """The most prefill nodes, up to ``wanted``, that ``place`` gives a core
+    each (at least 1): by default no two prefill nodes share a core."""
+    cpus = list(cpus)
+    for n in range(wanted, 1, -1):
+        if len(place(cpus, n, decode, cpus_prefill, cpus_decode).cpus_of(PREFILL)) >= n:
+            return n
+    return 1
 
 
 def place(cpus: Iterable[int], prefill: int, decode: int,

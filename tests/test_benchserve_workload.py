@@ -10,7 +10,7 @@ from mooncaked.benchserve.replay import RequestResult
 from mooncaked.benchserve.report import Slo, summarize
 from mooncaked.benchserve.tracegen import TraceGenConfig, describe, generate, write_trace
 from mooncaked.benchserve.workload import (WorkloadConfig, build_workload, scaled_prompt,
-                                           shared_prefix_tokens)
+                                           shared_prefix_tokens, warmup_slice)
 from mooncaked.simulate.trace import load_trace
 
 
@@ -38,6 +38,30 @@ def test_scaled_prompts_keep_exactly_the_shared_prefix(tmp_path):
     assert all(0 <= t < 256 for r in reqs for t in r.prompt)
     # Equal ids give equal tokens whatever the length cut.
     assert list(scaled_prompt((1, 2), 600, 8, 256)) == list(a.prompt[:10])
+
+
+def test_warmup_slice_has_the_next_requests_shapes_and_none_of_their_blocks(tmp_path):
+    trace = _write(tmp_path / "t.jsonl", [
+        {"timestamp": 0, "input_length": 1100, "output_length": 10, "hash_ids": [1, 2, 3]},
+        {"timestamp": 1000, "input_length": 600, "output_length": 30, "hash_ids": [1, 5]},
+        {"timestamp": 3000, "input_length": 1500, "output_length": 20, "hash_ids": [1, 2, 9]},
+        {"timestamp": 3500, "input_length": 1100, "output_length": 10, "hash_ids": [1, 2, 3]},
+    ])
+    cfg = WorkloadConfig(trace=trace, max_requests=2, length_scale=1 / 64)
+    measured = build_workload(cfg)
+    warm = warmup_slice(cfg, 5)
+    # Requests 2 and 3 of the trace (all there are), same lengths and gaps.
+    assert [len(r.prompt) for r in warm] == [24, 18]
+    assert [r.max_tokens for r in warm] == [1, 1]
+    assert [r.arrival_s for r in warm] == [0.0, 0.5]
+    # Request 3 repeats request 0's ids: its warm-up twin must not give it a hit.
+    assert not {t for r in warm for t in r.hash_ids} & {t for r in measured for t in r.hash_ids}
+    assert warm[1].prompt[:16] != measured[0].prompt[:16]
+    # The warm-up slice keeps its own sharing (ids 1, 2 in both).
+    assert warm[0].prompt[:16] == warm[1].prompt[:16]
+    assert warmup_slice(cfg, 0) == []
+    with pytest.raises(ValueError, match="bounded"):
+        warmup_slice(WorkloadConfig(trace=trace), 2)
 
 
 def test_arrival_modes_and_validation(tmp_path):

@@ -4,7 +4,8 @@ import os
 import pytest
 
 from mooncaked.launcher import free_port, spawn
-from mooncaked.placement import (CONDUCTOR, DECODE, PREFILL, format_cpus, parse_cpus, place)
+from mooncaked.placement import (CONDUCTOR, DECODE, PREFILL, default_prefill_nodes, format_cpus,
+                                 parse_cpus, place)
 
 
 def test_cpu_lists_parse_and_format():
@@ -61,6 +62,24 @@ def test_one_role_or_one_core_is_not_split():
     assert not p.split and p.of(PREFILL).cpus == {0, 1} and p.of(PREFILL).threads == 2
     p = place([3], prefill=2, decode=1)
     assert not p.split and p.of(DECODE).cpus == {3} and "cannot be separated" in p.describe()
+
+
+def test_default_prefill_count_never_puts_two_prefill_nodes_on_one_core():
+    # 2 cores, 1 decode: place() gives decode round(2 * 1/3) = 1 core, prefill
+    # the other one: one prefill node.
+    assert default_prefill_nodes([0, 1], decode=1) == 1
+    assert place([0, 1], 1, 1).cpus_of(PREFILL) == {0}
+    # 4 cores: decode round(4/3) = 1, prefill 3 >= 2 nodes.
+    assert default_prefill_nodes(range(4), decode=1) == 2
+    # 4 cores, 2 decode: decode round(4 * 2/4) = 2, prefill 2: both nodes.
+    assert default_prefill_nodes(range(4), decode=2) == 2
+    # 3 cores, 2 decode: prefill keeps 1 core, so 1 node.
+    assert default_prefill_nodes(range(3), decode=2) == 1
+    # One core: everything shares it; fewer processes is the better of two evils.
+    assert default_prefill_nodes([0], decode=1) == 1
+    # Explicit sets decide: two prefill CPUs give two nodes, one gives one.
+    assert default_prefill_nodes(range(4), 1, cpus_prefill=frozenset({0, 1})) == 2
+    assert default_prefill_nodes(range(4), 1, cpus_decode=frozenset({1, 2, 3})) == 1
 
 
 def test_spawned_child_runs_on_its_cpu_set(tmp_path):

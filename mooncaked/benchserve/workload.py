@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -122,6 +122,31 @@ def build_workload(cfg: WorkloadConfig) -> list[ReplayRequest]:
             out_len = min(out_len, cfg.max_output_tokens)
         out.append(ReplayRequest(i, r.index, at, tuple(int(t) for t in prompt), out_len,
                                  r.hash_ids, b))
+    return out
+
+
+# Added to a warm-up slice's hash ids: the trace's ids are far below it, so
+# a warm-up prompt shares no block with any request it warms the server for.
+WARMUP_HASH_OFFSET = 2**40
+
+
+def warmup_slice(cfg: WorkloadConfig, n: int) -> list[ReplayRequest]:
+    """The ``n`` requests that follow ``cfg``'s slice in the trace, with their
+    arrival times and lengths (so they warm the kernels, buffers and the
+    server's fitted estimators on the shapes the slice will bring) but hash
+    ids moved by WARMUP_HASH_OFFSET: no block of theirs is a prefix of any
+    request of the slice, so the measured cache hits are the slice's own."""
+    if n <= 0:
+        return []
+    if not cfg.max_requests:
+        raise ValueError("warmup_slice: the slice must be bounded (max_requests > 0)")
+    after = replace(cfg, offset=cfg.offset + cfg.max_requests, max_requests=n)
+    out = []
+    for r in build_workload(after):
+        ids = tuple(h + WARMUP_HASH_OFFSET for h in r.hash_ids)
+        prompt = scaled_prompt(ids, len(r.hash_ids) * TRACE_BLOCK_TOKENS, r.block_tokens,
+                               cfg.vocab_size, cfg.reserved_tokens)[:len(r.prompt)]
+        out.append(replace(r, prompt=tuple(int(t) for t in prompt), hash_ids=ids))
     return out
 
 

@@ -570,6 +570,16 @@ async def test_heartbeats_carry_the_prefill_requests_the_node_holds(conductor_fo
     # Named by the report: counted once, in the reported queue (the conductor
     # prices it with its own estimate: queue_from_bookings).
     assert [rid for rid, p in sched.prefill["prefill-0"].pending.items() if not p.in_report] == []
+    # How long it has been computing reaches the scheduler; a malformed figure does not.
+    now = time.monotonic()
+    registry.heartbeat("prefill-0", {"request_ids": ["booked"], "running_s": {"booked": 0.5}}, now)
+    started = sched.prefill["prefill-0"].pending["booked"].started_at
+    assert started == pytest.approx(now - 0.5, abs=0.05)   # report time less 0.5 s
+    for bad in ({"booked": -1}, {"booked": "x"}, {"booked": float("nan")}, ["booked"]):
+        sched.prefill["prefill-0"].pending["booked"].started_at = None
+        registry.heartbeat("prefill-0", {"request_ids": ["booked"], "running_s": bad},
+                           time.monotonic())
+        assert sched.prefill["prefill-0"].pending["booked"].started_at is None
 
 
 @contextlib.asynccontextmanager

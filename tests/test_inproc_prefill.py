@@ -353,13 +353,18 @@ async def test_a_job_cancelled_mid_compute_frees_everything(open_worker, decode,
     svc = await service_on(worker, chunk_size=CHUNK)
     prompt = PROMPT_A[:32] + tokens(40, seed=5)        # chunks [32,48) [48,64) [64,72)
     grant = decode.reserve(len(prompt) + GREEDY.max_tokens)
-    during = spy_on_compute(worker, on_layer=lambda i: i == 2 and svc.cancel("req-c"))
+    loads = []   # the heartbeat's figures while the job computes
+    during = spy_on_compute(worker, on_layer=lambda i: (i == 1 and loads.append(svc.load()))
+                            or (i == 2 and svc.cancel("req-c")))
     submit = asyncio.ensure_future(svc.submit(spec_for(worker, "req-c", prompt, grant)))
     await asyncio.sleep(0)             # submitted: the job is queued
     job = svc.jobs["req-c"]
     with pytest.raises(PrefillCancelled):
         await asyncio.wait_for(submit, 10)
     assert [(end, layer) for end, layer, _ in job.stream_log] == [(48, 0), (48, 1)]
+    # It said how long the running request had computed (the conductor's
+    # estimate of it is that much spent).
+    assert list(loads[0]["running_s"]) == ["req-c"] and loads[0]["running_s"]["req-c"] >= 0
     assert all(task.done() for task in job.sends)
     assert during[0].pinned_blocks == 2 and during[0].private_pages == 3
     assert svc.cancel("req-c") is False and svc.load()["failed"] == 1
@@ -373,6 +378,7 @@ async def test_a_job_cancelled_while_queued_takes_nothing(open_worker, decode, s
     submit = asyncio.ensure_future(svc.submit(spec_for(worker, "req-q", PROMPT_A, grant)))
     await asyncio.sleep(0)             # queued; the queue task has not taken it yet
     assert svc.load()["request_ids"] == ["req-q"]   # what the heartbeat tells the conductor
+    assert svc.load()["running_s"] == {}             # queued, not running
     assert svc.cancel("req-q") is True
     with pytest.raises(PrefillCancelled, match="queued"):
         await asyncio.wait_for(submit, 10)

@@ -278,6 +278,31 @@ def test_queue_from_bookings_uses_own_estimates_of_the_named_requests():
     assert plain.prefill["p0"].queue_time(0.5) == pytest.approx(9.0)
 
 
+def test_a_report_naming_the_running_request_counts_only_what_is_left_of_it():
+    s = make_sched(queue_from_bookings=True)
+    s.schedule(req("a", 1000), now=0.0)   # 1.0 s
+    s.schedule(req("b", 500), now=0.0)    # 0.5 s, queued behind a
+    # At 0.6 the node says a has computed for 0.4 s (it waited 0.2 s for its
+    # decode reservation): 0.6 s of a are left, then b's 0.5.
+    s.on_node_report("p0", NodeReport(at=0.6, queued_prefill_s=9.0,
+                                      prefill_requests=frozenset({"a", "b"}),
+                                      prefill_running_s={"a": 0.4}), 0.6)
+    assert s.prefill["p0"].queue_time(0.6) == pytest.approx(0.6 + 0.5)
+    # The next report, 0.3 s later, does not restart a's estimate either.
+    s.on_node_report("p0", NodeReport(at=0.9, queued_prefill_s=9.0,
+                                      prefill_requests=frozenset({"a", "b"}),
+                                      prefill_running_s={"a": 0.7}), 0.9)
+    assert s.prefill["p0"].queue_time(0.9) == pytest.approx(0.3 + 0.5)
+    # a overruns its estimate: nothing of it is left, b is still whole.
+    s.on_node_report("p0", NodeReport(at=1.5, queued_prefill_s=9.0,
+                                      prefill_requests=frozenset({"a", "b"}),
+                                      prefill_running_s={"a": 1.3}), 1.5)
+    assert s.prefill["p0"].queue_time(1.5) == pytest.approx(0.5)
+    # a finishes, b starts: b's 0.5 from then on.
+    s.on_prefill_finished("p0", "a", now=1.6, actual_seconds=1.4)
+    assert s.prefill["p0"].queue_time(1.6) == pytest.approx(0.5)
+
+
 def test_a_growing_batch_slows_down_and_keeps_its_sequences_longer():
     # TBT = 0.01 + 0.01 * batch.  Two sequences with 10 tokens left, measured
     # at 10 ms a step.  A 150-token request joins at 0.15 s:

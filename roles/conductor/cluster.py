@@ -130,6 +130,7 @@ class ClusterView:
                 batch_size=load.get("batch_size"), context_tokens=load.get("context_tokens"),
                 free_pages=None, recent_tbt_s=load.get("recent_tbt_s") or None,
                 prefill_requests=_request_ids(load.get("request_ids")),
+                prefill_running_s=_running_s(load.get("running_s")),
                 decode_sequences=_decode_sequences(load.get("sequences")),
                 decode_steps=_decode_steps(load.get("recent_steps"))), time.monotonic())
 
@@ -237,6 +238,20 @@ def _request_ids(value: object) -> frozenset[str] | None:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         return None
     return frozenset(value)
+
+
+def _running_s(value: object) -> dict[str, float] | None:
+    """A prefill node's seconds-running per running request, if well formed
+    (finite, >= 0); a malformed figure is dropped, not half-used."""
+    if not isinstance(value, dict):
+        return None
+    out = {}
+    for rid, secs in value.items():
+        if not isinstance(rid, str) or isinstance(secs, bool) \
+                or not isinstance(secs, (int, float)) or not 0 <= secs < float("inf"):
+            return None
+        out[rid] = float(secs)
+    return out
 
 
 def _decode_sequences(value: object) -> dict[str, RunningSeq] | None:

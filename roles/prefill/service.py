@@ -33,6 +33,7 @@ class _Queued:
     tokens: int
     enqueued_at: float
     queue_s: float = 0.0
+    started_at: float | None = None  # perf_counter() when its step began
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -176,8 +177,13 @@ class PrefillService:
         if not item.done.done():
             item.done.set_exception(exc)
 
+    @staticmethod
+    def _start(item: _Queued) -> None:
+        item.started_at = time.perf_counter()
+        item.queue_s = item.started_at - item.enqueued_at
+
     async def _run_one(self, item: _Queued) -> None:
-        item.queue_s = time.perf_counter() - item.enqueued_at
+        self._start(item)
         try:
             if item.job.cancelled:
                 raise PrefillCancelled("cancelled while queued")
@@ -195,7 +201,7 @@ class PrefillService:
         ready: list[_Queued] = []
         try:
             for item in step:
-                item.queue_s = time.perf_counter() - item.enqueued_at
+                self._start(item)
                 try:
                     if item.job.cancelled:
                         raise PrefillCancelled("cancelled while queued")
@@ -243,6 +249,7 @@ class PrefillService:
                     await item.job.cleanup()
 
     def load(self) -> dict:
+        now = time.perf_counter()
         return {"queue_len": len(self.queue) + len(self.running),
                 "batches": self.batches, "batched_requests": self.batched_requests,
                 "queued_tokens": self.queued_tokens,
@@ -251,4 +258,9 @@ class PrefillService:
                 # What queued_prefill_s holds, so the conductor knows which of
                 # its bookings this figure covers.
                 "request_ids": [item.job.spec.request_id for item in (*self.running, *self.queue)],
+                # How long each running request has been computing: the
+                # conductor's estimate of it is that much spent already (a
+                # report naming it must not restart its whole estimate).
+                "running_s": {item.job.spec.request_id: round(now - item.started_at, 6)
+                              for item in self.running if item.started_at is not None},
                 "completed": self.completed, "failed": self.failed}

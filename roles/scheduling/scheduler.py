@@ -339,7 +339,7 @@ class Scheduler:
             if done is not None and done.in_report:
                 # The node moves on to the next named request now: what is
                 # left of the reported work is the rest of the named ones.
-                st.reported_queue_s = sum(p.estimate_s for p in st.pending.values()
+                st.reported_queue_s = sum(p.remaining_s(now) for p in st.pending.values()
                                           if p.in_report)
                 st.reported_at = now
         self._outstanding[node] = max(0, self._outstanding.get(node, 0) - 1)
@@ -396,9 +396,15 @@ class Scheduler:
                 and report.prefill_requests is not None:
             s = self.prefill[node]
             named = report.prefill_requests
+            running = report.prefill_running_s or {}
             for rid, p in s.pending.items():
                 p.in_report = rid in named
-            ours = sum(p.estimate_s for p in s.pending.values() if p.in_report)
+                if rid in running:
+                    p.started_at = report.at - max(0.0, running[rid])
+            # A running request counts what is left of its estimate: counted
+            # whole, every report restarted it and a long prefill made the
+            # queue look up to its full length too long for its whole run.
+            ours = sum(p.remaining_s(report.at) for p in s.pending.values() if p.in_report)
             if named <= s.pending.keys() or report.queued_prefill_s is None:
                 s.reported_queue_s = ours
             else:

@@ -60,6 +60,12 @@ class PendingPrefill:
     started_at: float | None = None
     in_report: bool = False
 
+    def remaining_s(self, now: float) -> float:
+        """Its estimate less the time it has run (all of it before it starts)."""
+        if self.started_at is None:
+            return self.estimate_s
+        return max(0.0, self.estimate_s - (now - self.started_at))
+
 
 @dataclass
 class PrefillNodeState:
@@ -87,12 +93,8 @@ class PrefillNodeState:
     def queue_time(self, now: float) -> float:
         backlog = max(0.0, self.reported_queue_s - (now - self.reported_at))
         for p in self.pending.values():
-            if p.in_report:
-                continue  # in reported_queue_s
-            if p.started_at is None:
-                backlog += p.estimate_s
-            else:
-                backlog += max(0.0, p.estimate_s - (now - p.started_at))
+            if not p.in_report:  # else in reported_queue_s
+                backlog += p.remaining_s(now)
         return backlog
 
 
@@ -198,6 +200,9 @@ class NodeReport(NamedTuple):
     # Prefill node: the requests its `queued_prefill_s` holds (queued or
     # running); None when the node does not say.
     prefill_requests: frozenset[str] | None = None
+    # Prefill node: seconds each request it is computing has been running at
+    # `at`, by request id (a subset of prefill_requests); None: not said.
+    prefill_running_s: dict[str, float] | None = None
     # Decode node: its sequences (running or queued to join the batch) by
     # request id, and recent measured steps; None when the node does not say.
     decode_sequences: dict[str, RunningSeq] | None = None

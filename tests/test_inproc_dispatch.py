@@ -261,7 +261,10 @@ async def test_events_in_order_and_every_node_gets_the_right_body(conductor_for)
     # and the prefill estimate c0 + n*40 + n2*40^2 of the default coefficients.
     d = c.sched.decode["decode-0"]
     assert (d.free_pages, d.batch_size, d.context_tokens) == (PAGES - 3, 1, 44)
-    assert c.sched.prefill["prefill-0"].queue_time(time.monotonic()) == pytest.approx(
+    # (At its booking time: it is expected to start at once and the queue
+    # counts down from then.)
+    booked = c.sched.prefill["prefill-0"].pending["req-1"]
+    assert c.sched.prefill["prefill-0"].queue_time(booked.sent_at) == pytest.approx(
         0.01 + 2.5e-4 * 40 + 1.7e-8 * 40 * 40)
     assert c.running_gauge() == 1.0
     events = [scheduled]

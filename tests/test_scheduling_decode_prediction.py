@@ -303,6 +303,25 @@ def test_a_report_naming_the_running_request_counts_only_what_is_left_of_it():
     assert s.prefill["p0"].queue_time(1.6) == pytest.approx(0.5)
 
 
+def test_bookings_no_report_covers_yet_count_down_from_their_expected_start():
+    s = make_sched(queue_from_bookings=True)
+    s.schedule(req("a", 1000), now=0.0)   # 1.0 s on an idle node: expected to start at 0
+    # 0.2 s later, before any report: 0.8 s of a are left.
+    assert s.prefill["p0"].queue_time(0.2) == pytest.approx(0.8)
+    d = s.schedule(req("b", 500), now=0.2)
+    assert d.t_queue == pytest.approx(0.8)   # b is expected to start at 1.0
+    assert s.prefill["p0"].queue_time(0.5) == pytest.approx(0.5 + 0.5)
+    assert s.prefill["p0"].queue_time(1.2) == pytest.approx(0.3)   # b has run 0.2 s
+    assert s.prefill["p0"].queue_time(2.0) == 0.0
+    # A report that names both, a not running yet (it waited for its decode
+    # reservation): the node's word wins, both whole, counting down from then.
+    s.on_node_report("p0", NodeReport(at=0.6, queued_prefill_s=9.0,
+                                      prefill_requests=frozenset({"a", "b"}),
+                                      prefill_running_s={}), 0.6)
+    assert s.prefill["p0"].queue_time(0.6) == pytest.approx(1.5)
+    assert s.prefill["p0"].queue_time(0.7) == pytest.approx(1.4)
+
+
 def test_a_growing_batch_slows_down_and_keeps_its_sequences_longer():
     # TBT = 0.01 + 0.01 * batch.  Two sequences with 10 tokens left, measured
     # at 10 ms a step.  A 150-token request joins at 0.15 s:

@@ -299,7 +299,8 @@ class Scheduler:
                             plan.transfer, ttft, tbt, plan.t_queue, plan.t_transfer,
                             plan.t_prefill, self.policy.name)
         # Book the work so the next decision sees it before any heartbeat.
-        self.prefill[plan.node].pending[req.request_id] = PendingPrefill(plan.t_prefill, now)
+        self.prefill[plan.node].pending[req.request_id] = PendingPrefill(
+            plan.t_prefill, now, expected_start=now + plan.t_queue)
         self._outstanding[plan.node] = self._outstanding.get(plan.node, 0) + 1
         if plan.transfer is not None:
             self.transfer_est.reserve(plan.transfer.source, plan.transfer.bytes, now)

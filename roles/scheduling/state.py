@@ -59,12 +59,21 @@ class PendingPrefill:
     sent_at: float
     started_at: float | None = None
     in_report: bool = False
+    # When it should start by the queue predicted at booking (FIFO: when the
+    # work booked before it is done); None: unknown (counted whole until a
+    # report says it runs).
+    expected_start: float | None = None
 
-    def remaining_s(self, now: float) -> float:
-        """Its estimate less the time it has run (all of it before it starts)."""
-        if self.started_at is None:
+    def remaining_s(self, now: float, use_expected_start: bool = False) -> float:
+        """Its estimate less the time it has run: since the node said it
+        started, or (``use_expected_start``, for work no report covers yet)
+        since it was expected to start; all of it before that."""
+        start = self.started_at
+        if start is None and use_expected_start:
+            start = self.expected_start
+        if start is None or now <= start:
             return self.estimate_s
-        return max(0.0, self.estimate_s - (now - self.started_at))
+        return max(0.0, self.estimate_s - (now - start))
 
 
 @dataclass
@@ -93,8 +102,12 @@ class PrefillNodeState:
     def queue_time(self, now: float) -> float:
         backlog = max(0.0, self.reported_queue_s - (now - self.reported_at))
         for p in self.pending.values():
-            if not p.in_report:  # else in reported_queue_s
-                backlog += p.remaining_s(now)
+            # Named by the report: in reported_queue_s, which decays as a
+            # whole.  Not yet: it runs from its expected start on (counted
+            # whole until the next report, a request sent to an idle node
+            # made the queue look its full length for up to a heartbeat).
+            if not p.in_report:
+                backlog += p.remaining_s(now, use_expected_start=True)
         return backlog
 
 

@@ -86,6 +86,7 @@ class Child:
     env: dict[str, str] | None = None
     cwd: Path | None = None
     cpus: frozenset[int] | None = None   # CPU affinity (mooncaked.placement); None: any
+    idle_priority: bool = False          # SCHED_IDLE (a prefill node borrowing decode CPUs)
 
     @property
     def url(self) -> str:
@@ -123,7 +124,7 @@ class Child:
     def respawn(self) -> Child:
         """The same node started again: same command line (port, node id), same log."""
         return spawn(self.name, self.role, self.port, self.args, self.log_path, self.env, self.cwd,
-                     self.cpus)
+                     self.cpus, self.idle_priority)
 
     def terminate(self, timeout: float = 20.0) -> int:
         """SIGTERM (a graceful stop) and wait: the exit code."""
@@ -139,14 +140,26 @@ class Child:
 
 def spawn(name: str, role: str, port: int, args: list[str], log_path: Path,
           env: dict[str, str] | None = None, cwd: Path | None = None,
-          cpus: frozenset[int] | None = None) -> Child:
+          cpus: frozenset[int] | None = None, idle_priority: bool = False) -> Child:
     """Start ``mooncaked <args>`` with its output appended to ``log_path``,
-    pinned to ``cpus`` when given."""
+    pinned to ``cpus`` when given, at SCHED_IDLE with ``idle_priority``
+    (inherited by every thread it starts)."""
 
     def before_exec() -> None:
         _die_with_parent()
         if cpus is not None:
             os.sched_setaffinity(0, cpus)
+        if idle_priority:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            # start_new_session made this process its own autogroup (when the
+            # kernel has autogroups), and the kernel shares a core between
+            # groups by the group's nice, whatever the policy inside: at nice
+            # 0 this node still took half of a busy decode core.
+            try:
+                with open("/proc/self/autogroup", "w") as group:
+                    group.write("19")
+            except OSError:
+                pass  # no autogroups: SCHED_IDLE alone already yields
 
     # Oversubscribed OpenMP threads that spin while waiting steal the cores
     # the other nodes compute on: make idle ones sleep instead.
@@ -156,7 +169,7 @@ def spawn(name: str, role: str, port: int, args: list[str], log_path: Path,
         proc = subprocess.Popen(mooncaked_cmd(*args), stdout=log, stderr=subprocess.STDOUT,
                                 env=full_env, cwd=cwd, stdin=subprocess.DEVNULL,
                                 start_new_session=True, preexec_fn=before_exec)
-    return Child(name, role, port, log_path, proc, list(args), env, cwd, cpus)
+    return Child(name, role, port, log_path, proc, list(args), env, cwd, cpus, idle_priority)
 
 
 def log_to_stderr(line: str) -> None:
@@ -252,7 +265,8 @@ class LocalCluster:
             cmd += ["--set", item]
         cmd += extra
         child = spawn(name, role, port, cmd, self.log_dir / f"{name}.log",
-                      cpus=placed.cpus if placed is not None else None)
+                      cpus=placed.cpus if placed is not None else None,
+                      idle_priority=placed is not None and placed.idle_priority)
         self.children.append(child)
         return self._started(child, time.monotonic())
 
@@ -294,6 +308,9 @@ class LocalCluster:
                 "--set", "prefill.cpp_group=cpp0", "--set", f"prefill.cpp_stage={stage}",
                 "--set", f"prefill.cpp_stages={self.cpp_group}"],
                 self._placed(PREFILL, self.prefill + stage)))
+        for b in (self.placement.borrowers if self.placement is not None else ()):
+            worker_roles.append((f"{self.role_of_workers[0]}-{b.index}", self.role_of_workers[0],
+                                 [], b))
         for name, role, extra, placed in worker_roles:
             # With etcd the workers find the leading conductor there.
             self._spawn(name, role, ([] if self.etcd else ["--conductor", self.url]) + extra,
@@ -413,7 +430,7 @@ def _restart_help(p: RestartPolicy) -> str:
 
 
 def _placement(mode: str, cluster: LocalCluster, cpus_prefill: Optional[str],
-               cpus_decode: Optional[str]) -> Placement | None:
+               cpus_decode: Optional[str], borrow: bool = False) -> Placement | None:
     """``up``'s CPU placement: None leaves every node unpinned."""
     if mode not in ("auto", "none"):
         raise ValueError(f"--placement: expected auto or none, got {mode!r}")
@@ -425,7 +442,8 @@ def _placement(mode: str, cluster: LocalCluster, cpus_prefill: Optional[str],
     # nothing to separate, each may use every core.
     return place(os.sched_getaffinity(0), cluster.prefill + cluster.cpp_group, cluster.decode,
                  parse_cpus(cpus_prefill) if cpus_prefill else None,
-                 parse_cpus(cpus_decode) if cpus_decode else None)
+                 parse_cpus(cpus_decode) if cpus_decode else None,
+                 borrow=borrow and cluster.decode > 0 and cluster.prefill > 0)
 
 
 def _default_prefill(mode: str, decode: int, colocated: int, cpus_prefill: Optional[str],
@@ -494,6 +512,14 @@ def register(app: typer.Typer) -> None:
                                          "--placement; with only this, decode gets the rest)."),
         cpus_decode: Optional[str] = typer.Option(
             None, "--cpus-decode", help="CPUs for the decode nodes and the conductor, e.g. 6,7."),
+        borrow: bool = typer.Option(
+            False, "--borrow/--no-borrow",
+            help="With --placement auto: one more prefill node on the decode CPUs at idle "
+                 "priority (SCHED_IDLE, its autogroup at nice 19), computing in the gaps between "
+                 "decode steps; the kernel preempts it whenever decode or the conductor wants "
+                 "the core. The conductor fits each prefill node's speed on its own prefills. "
+                 "Off by default: on the 2-core rate sweep it added no goodput and made TTFT "
+                 "predictions noisier (docs/bench.md)."),
     ) -> None:
         """Run a local cluster: one conductor plus prefill and decode nodes on loopback,
         restarting a node that dies."""
@@ -519,7 +545,8 @@ def register(app: typer.Typer) -> None:
         if colocated:
             cluster.role_of_workers = ("colocated", "decode")
         try:
-            cluster.placement = _placement(placement, cluster, cpus_prefill, cpus_decode)
+            cluster.placement = _placement(placement, cluster, cpus_prefill, cpus_decode,
+                                           borrow=borrow and not colocated)
         except ValueError as exc:
             typer.echo(f"mooncaked up: {exc}", err=True)
             raise typer.Exit(2) from None

@@ -19,7 +19,10 @@ Rules (``place``):
 - the conductor runs on the decode set: every token of every request
   passes through it, and rejections must answer fast, so it must not wait
   behind a prefill burst;
-- 1 core: nothing can be separated: everything shares it (said in the notes).
+- 1 core: nothing can be separated: everything shares it (said in the notes);
+- ``borrow`` (``up --borrow``): one more prefill node on the decode set at
+  idle priority, so prefill uses the decode cores' idle time without taking
+  any of it from decode.
 
 ``default_prefill_nodes`` is how many prefill nodes ``up`` runs when not told:
 two, fewer when the prefill set has fewer cores than that.  The scheduler
@@ -78,6 +81,9 @@ class NodePlacement:
     index: int             # i-th node of its role
     cpus: frozenset[int]   # its CPU affinity
     threads: int           # torch intra-op threads
+    # SCHED_IDLE: it runs only on cycles no other task of the machine wants
+    # (a prefill node borrowing the decode CPUs; see ``place``).
+    idle_priority: bool = False
 
 
 @dataclass(frozen=True)
@@ -93,8 +99,14 @@ class Placement:
         raise KeyError(f"no {role} node {index} in this placement")
 
     def cpus_of(self, role: str) -> frozenset[int]:
-        """Every CPU the nodes of a role may run on."""
-        return frozenset(c for n in self.nodes if n.role == role for c in n.cpus)
+        """Every CPU the nodes of a role may run on (borrowers not counted)."""
+        return frozenset(c for n in self.nodes if n.role == role and not n.idle_priority
+                         for c in n.cpus)
+
+    @property
+    def borrowers(self) -> tuple[NodePlacement, ...]:
+        """Extra prefill nodes at idle priority on the decode CPUs."""
+        return tuple(n for n in self.nodes if n.idle_priority)
 
     def describe(self, names: dict[str, str] | None = None) -> str:
         """The placement as ``up`` prints it; ``names`` renames a role in the
@@ -106,7 +118,8 @@ class Placement:
                 continue
             shown = (names or {}).get(role, role)
             parts = ", ".join(f"{shown}-{n.index}: cpus {format_cpus(n.cpus)} ({n.threads} "
-                              f"thread{'s' if n.threads != 1 else ''})" for n in nodes) \
+                              f"thread{'s' if n.threads != 1 else ''}"
+                              f"{', idle priority' if n.idle_priority else ''})" for n in nodes) \
                 if role != CONDUCTOR else f"cpus {format_cpus(nodes[0].cpus)}"
             lines.append(f"  {shown}: {parts}")
         return "\n".join(["placement (" + ("prefill and decode on disjoint CPU sets"
@@ -147,8 +160,16 @@ def default_prefill_nodes(cpus: Iterable[int], decode: int,
 
 def place(cpus: Iterable[int], prefill: int, decode: int,
           cpus_prefill: frozenset[int] | None = None,
-          cpus_decode: frozenset[int] | None = None) -> Placement:
-    """Split ``cpus`` between ``prefill`` and ``decode`` nodes (see the module doc)."""
+          cpus_decode: frozenset[int] | None = None, borrow: bool = False) -> Placement:
+    """Split ``cpus`` between ``prefill`` and ``decode`` nodes (see the module doc).
+
+    ``borrow``: when the split keeps the roles apart, one more prefill node
+    (index ``prefill``, 1 thread) on the decode set at idle priority: decode
+    steps are short bursts, and this node computes in the gaps; the kernel
+    preempts it the moment a decode or conductor thread wants its core, so it
+    cannot stretch a token's spacing.  Its speed then follows the decode load,
+    which the conductor learns from its measured prefills (a fit per node).
+    One thread: a parallel op would wait for the thread preempted by decode."""
     avail = sorted(set(cpus))
     if not avail:
         raise ValueError("no CPUs to place nodes on")
@@ -200,4 +221,9 @@ def place(cpus: Iterable[int], prefill: int, decode: int,
                                                                                  prefill))]
     nodes += [NodePlacement(DECODE, i, s, t) for i, (s, t) in enumerate(_slices(sorted(d_set),
                                                                                 decode))]
-    return Placement(tuple(nodes), split=not (p_set & d_set), notes=tuple(notes))
+    split = not (p_set & d_set)
+    if borrow and split:
+        nodes.append(NodePlacement(PREFILL, prefill, d_set, 1, idle_priority=True))
+        notes.append(f"prefill-{prefill} borrows the decode CPUs at idle priority: it computes "
+                     "only when decode and the conductor leave a core idle")
+    return Placement(tuple(nodes), split=split, notes=tuple(notes))

@@ -82,6 +82,26 @@ def test_default_prefill_count_never_puts_two_prefill_nodes_on_one_core():
     assert default_prefill_nodes(range(4), 1, cpus_decode=frozenset({1, 2, 3})) == 1
 
 
+def test_a_borrowing_prefill_node_sits_on_the_decode_cpus_at_idle_priority():
+    p = place([0, 1], prefill=1, decode=1, borrow=True)
+    # Regular prefill on CPU 0, decode and the conductor on CPU 1, and prefill-1
+    # on CPU 1 too, 1 thread, idle priority.
+    assert p.of(PREFILL, 0).cpus == {0} and not p.of(PREFILL, 0).idle_priority
+    b = p.of(PREFILL, 1)
+    assert (b.cpus, b.threads, b.idle_priority) == ({1}, 1, True)
+    assert p.borrowers == (b,)
+    # What the regular prefill nodes own, and so the default node count, is unchanged.
+    assert p.cpus_of(PREFILL) == {0}
+    assert "prefill-1: cpus 1 (1 thread, idle priority)" in p.describe()
+    # 8 cores, 2 prefill: the borrower is prefill-2 on decode's cores 5-7.
+    big = place(range(8), prefill=2, decode=1, borrow=True)
+    assert big.of(PREFILL, 2).cpus == {5, 6, 7} and big.of(PREFILL, 2).threads == 1
+    # Nothing to borrow when nothing is split: one core, or one role only.
+    assert place([0], prefill=1, decode=1, borrow=True).borrowers == ()
+    assert place([0, 1], prefill=2, decode=0, borrow=True).borrowers == ()
+    assert place([0, 1], prefill=1, decode=1).borrowers == ()   # off by default
+
+
 def test_spawned_child_runs_on_its_cpu_set(tmp_path):
     cpu = max(os.sched_getaffinity(0))
     # A real conductor process: it runs until killed, so its affinity can be read.
@@ -100,8 +120,23 @@ def test_spawned_child_runs_on_its_cpu_set(tmp_path):
     free = spawn("free", "conductor", 0, args, tmp_path / "free.log")
     try:
         assert os.sched_getaffinity(free.proc.pid) == os.sched_getaffinity(0)
+        assert os.sched_getscheduler(free.proc.pid) == os.SCHED_OTHER
     finally:
         free.kill()
+    idle = spawn("idle", "conductor", 0, args, tmp_path / "idle.log", cpus=frozenset({cpu}),
+                 idle_priority=True)
+    try:
+        assert os.sched_getscheduler(idle.proc.pid) == os.SCHED_IDLE
+        # Its own session is its own autogroup: the group must yield too.
+        if os.path.exists(f"/proc/{idle.proc.pid}/autogroup"):
+            assert open(f"/proc/{idle.proc.pid}/autogroup").read().split()[-1] == "19"
+    finally:
+        idle.kill()
+    again = idle.respawn()  # a restarted borrower stays at idle priority
+    try:
+        assert os.sched_getscheduler(again.proc.pid) == os.SCHED_IDLE
+    finally:
+        again.kill()
 
 
 def test_colocated_nodes_are_printed_as_colocated():

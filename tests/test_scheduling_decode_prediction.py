@@ -12,6 +12,7 @@ from roles.scheduling import (BookedJoin, DecodeEstimator, DecodeLoad, DecodeSte
                               NodeReport, PolynomialPrefillEstimator, Rejection, RunningSeq,
                               ScheduleRequest, Scheduler, SchedulerConfig, TransferEstimator,
                               fit_decode)
+from roles.scheduling.registry import make_policy
 
 BS = 100
 
@@ -344,3 +345,67 @@ def test_bias_with_a_measured_queue_holds_only_the_unexplained_time():
     # its first token came at 1.4: 0.1 s is neither queue nor prefill.
     s.on_prefill_finished("p0", "a", now=1.4, actual_seconds=0.5, actual_queue_s=0.8)
     assert s.ttft_bias(1.4) == pytest.approx(0.5 * 0.1)
+
+
+def test_each_prefill_node_is_priced_by_its_own_fit():
+    # p1 runs at half p0's speed (a core it borrows): 2 ms a token against 1.
+    s = Scheduler(SchedulerConfig(policy="round_robin", ttft_slo_s=30.0, tbt_slo_s=1.0,
+                                  kv_bytes_per_token=1000, per_node_prefill_fit=True),
+                  PolynomialPrefillEstimator({"n": 1e-3}, refit_every=5, window=5),
+                  TransferEstimator(1e9), DecodeEstimator(0.02, 0.001, 0.0))
+    s.add_prefill_node("p0")
+    s.add_prefill_node("p1")
+    s.add_decode_node("d0", page_budget=10_000, page_tokens=BS)
+    ms_per_token = {"p0": 1e-3, "p1": 2e-3}
+    served = {"p0": 0, "p1": 0}
+    for i in range(24):
+        tokens = 200 + 100 * (i % 6)
+        d = s.schedule(req(f"r{i}", tokens), now=float(i))
+        # round robin: the nodes take turns, each finishing before the next request
+        served[d.prefill_node] += 1
+        s.on_prefill_finished(d.prefill_node, f"r{i}", now=i + 0.5,
+                              actual_seconds=ms_per_token[d.prefill_node] * tokens)
+        s.on_decode_finished("d0", f"r{i}", now=i + 0.6)
+    assert served == {"p0": 12, "p1": 12}
+    # Each node's fit is its own speed, exactly (noise-free linear samples).
+    assert s.estimator_for("p0").seconds(1000, 0) == pytest.approx(1.0)
+    assert s.estimator_for("p1").seconds(1000, 0) == pytest.approx(2.0)
+    # The cluster-wide fit learned from both (its window holds the last 5).
+    assert 1.0 < s.prefill_est.seconds(1000, 0) < 2.0
+    # A 1000-token request is predicted 1.0 s on p0 and 2.0 s on p1: the
+    # least-TTFT choice (Algorithm 1) takes p0.
+    s.policy = make_policy("mooncake")
+    d = s.schedule(req("big", 1000), now=100.0)
+    assert (d.prefill_node, d.t_prefill) == ("p0", pytest.approx(1.0))
+    # A node that joins later starts from the cluster-wide fit.
+    s.add_prefill_node("p2")
+    assert s.estimator_for("p2").seconds(1000, 0) == s.prefill_est.seconds(1000, 0)
+    # Off: one fit for every node.
+    one = make_sched()
+    one.add_prefill_node("p1")
+    assert one.estimator_for("p1") is one.estimator_for("p0") is one.prefill_est
+
+
+def test_a_node_with_a_record_of_small_errors_admits_closer_to_the_slo():
+    # TTFT SLO 1 s; before any record the headroom is 10% (admit <= 0.9 s).
+    s = make_sched(ttft_slo=1.0, slo_admit_fraction=0.9, ttft_margin_errors=2.0)
+    assert s.ttft_admit_limit("p0") == pytest.approx(0.9)
+    # 16 requests, each predicted 0.1 s (100 tokens at 1 ms) and measured
+    # 0.12 s (20 ms off): mean absolute error 0.02, headroom 2 x 0.02 = 0.04.
+    for i in range(16):
+        s.schedule(req(f"r{i}", 100), now=10.0 * i)
+        s.on_prefill_finished("p0", f"r{i}", now=10.0 * i + 0.12, actual_seconds=0.1)
+        s.on_decode_finished("d0", f"r{i}", now=10.0 * i + 1.0)
+    assert s.ttft_admit_limit("p0") == pytest.approx(1.0 - 0.04)
+    # A 930-token prompt (0.93 s predicted): refused at 90%, admitted now.
+    assert isinstance(s.schedule(req("long", 930), now=500.0), Decision)
+    assert isinstance(s.schedule(req("too-long", 970), now=600.0), Rejection)
+    # Off (the default): the fraction alone.
+    plain = make_sched(ttft_slo=1.0, slo_admit_fraction=0.9)
+    for i in range(16):
+        plain.schedule(req(f"r{i}", 100), now=10.0 * i)
+        plain.on_prefill_finished("p0", f"r{i}", now=10.0 * i + 0.12, actual_seconds=0.1)
+        plain.on_decode_finished("d0", f"r{i}", now=10.0 * i + 1.0)
+    assert plain.ttft_admit_limit("p0") == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="ttft_margin_errors"):
+        SchedulerConfig(ttft_margin_errors=-1)

@@ -44,6 +44,9 @@ DECODE_REFIT_EVERY = 16                   # measured decode steps between TBT re
 PREFILL_FIT_WINDOW = 96
 TTFT_BIAS_ALPHA = 0.1                     # learn the TTFT the estimators miss (RPCs, shared cores)
 SLO_ADMIT_FRACTION = 0.9                  # admit predictions within 90% of each SLO
+# ... and once a node has a record, within the SLO less twice its recent mean
+# absolute TTFT error (roles/scheduling/scheduler.py ttft_admit_limit).
+TTFT_MARGIN_ERRORS = 2.0
 
 
 def load_prefill_coeffs(path: str) -> dict[str, float]:
@@ -67,7 +70,8 @@ class ClusterView:
                             tbt_slo_s=section.tbt_slo_ms / 1000.0,
                             policy_params=_policy_params(section),
                             ttft_bias_alpha=TTFT_BIAS_ALPHA,
-                            slo_admit_fraction=SLO_ADMIT_FRACTION, queue_from_bookings=True),
+                            slo_admit_fraction=SLO_ADMIT_FRACTION, queue_from_bookings=True,
+                            per_node_prefill_fit=True, ttft_margin_errors=TTFT_MARGIN_ERRORS),
             PolynomialPrefillEstimator(load_prefill_coeffs(section.prefill_profile), refit_every=8,
                                        window=PREFILL_FIT_WINDOW),
             TransferEstimator(DEFAULT_TRANSFER_BPS),
@@ -200,13 +204,17 @@ class ClusterView:
             "policy": sched.policy.name,
             "indexed_blocks": sum(sched.index.blocks_on(n) for n in sched.prefill),
             "prefill": {n: {"alive": s.alive, "accepting": s.accepting, "queue_s": round(s.queue_time(time.monotonic()), 4),
-                            "cached_blocks": sched.index.blocks_on(n)} for n, s in sched.prefill.items()},
+                            "cached_blocks": sched.index.blocks_on(n),
+                            "ttft_admit_limit_s": round(sched.ttft_admit_limit(n), 4)}
+                        for n, s in sched.prefill.items()},
             "decode": {n: {"alive": d.alive, "accepting": d.accepting, "batch_size": d.batch_size,
                            "free_pages": d.free_pages}
                        for n, d in sched.decode.items()},
             "rejections": dict(sched.rejections),
             "ttft_error_mean_s": sum(errors) / len(errors) if errors else None,
             "prefill_coeffs": getattr(sched.prefill_est, "coeffs", None),
+            "prefill_coeffs_by_node": {n: getattr(e, "coeffs", None)
+                                       for n, e in sched.node_estimators.items()},
         }
 
 

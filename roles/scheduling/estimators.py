@@ -5,6 +5,7 @@ caller passes the time (`now`) where state decays.
 """
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
@@ -27,6 +28,11 @@ class PrefillEstimator(ABC):
 
     def observe(self, prompt_tokens: int, prefix_tokens: int, seconds: float) -> None:
         """Feed back a measured prefill; default: ignore."""
+
+    def fork(self) -> "PrefillEstimator":
+        """An independent estimator that starts where this one is (for one
+        node's own fit); default: a deep copy."""
+        return copy.deepcopy(self)
 
 
 class PolynomialPrefillEstimator(PrefillEstimator):

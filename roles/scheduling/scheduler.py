@@ -22,6 +22,10 @@ RECENT_TTFT_ERRORS = 1024
 # Steps counted between two instants are (t1 - t0) / step; this keeps a
 # whole number of steps (2.5 s at 0.1 s) from rounding down to one fewer.
 _STEP_EPS = 1e-9
+# Per-node TTFT errors behind the learned admission headroom: how many
+# finished requests before it replaces slo_admit_fraction, and how many are kept.
+NODE_ERROR_SAMPLES = 16
+NODE_ERROR_WINDOW = 64
 # Rounds of "project the load at this step time, predict the step time".
 DECODE_FIXED_POINT_ROUNDS = 4
 
@@ -49,6 +53,12 @@ class SchedulerConfig:
     # Admit only predictions within this share of each SLO: on shared cores a
     # prediction just under the SLO is a coin flip.
     slo_admit_fraction: float = 1.0
+    # > 0: once a prefill node has NODE_ERROR_SAMPLES finished requests, its
+    # TTFT headroom is this many times its recent mean absolute TTFT error
+    # (instead of slo_admit_fraction): a node whose predictions hold within
+    # 20 ms need not refuse what is predicted 100 ms under the SLO, and a
+    # noisy one keeps more.
+    ttft_margin_errors: float = 0.0
     # How a prefill report that names its requests sets the queue: False, the
     # node's own seconds figure; True, the sum of this scheduler's estimates
     # of the named requests (fitted on measured prefills, so with a fixed
@@ -60,6 +70,12 @@ class SchedulerConfig:
     # accepted but still in prefill. Admission then lags the decode load by a
     # prefill and oscillates; off = prediction at join time.
     reject_on_current_load: bool = False
+    # Each prefill node's time fitted on its own prefills (started from the
+    # cluster-wide fit when it joins): nodes of unequal speed (a slower host,
+    # a node borrowing cores another role has first call on) are priced as
+    # they run.  The cluster-wide fit keeps learning from every node and is
+    # what a newly joined node starts from.  Off: one fit for all.
+    per_node_prefill_fit: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str) or not self.policy:
@@ -76,6 +92,8 @@ class SchedulerConfig:
             raise ValueError("ttft_bias_alpha must be in [0, 1]")
         if not 0 < self.slo_admit_fraction <= 1:
             raise ValueError("slo_admit_fraction must be in (0, 1]")
+        if self.ttft_margin_errors < 0:
+            raise ValueError("ttft_margin_errors must be >= 0")
 
 
 @dataclass
@@ -111,6 +129,8 @@ class Scheduler:
         self.rejections: dict[str, int] = {}
         # Prefill instances with their own estimator (CPP groups).
         self.node_estimators: dict[str, PrefillEstimator] = {}
+        # Recent absolute TTFT errors per prefill node (ttft_margin_errors).
+        self._node_ttft_errors: dict[str, deque[float]] = {}
         # Learned TTFT the estimators miss (SchedulerConfig.ttft_bias_alpha).
         self._ttft_bias_s = 0.0
         self._ttft_bias_at = 0.0
@@ -119,6 +139,9 @@ class Scheduler:
     def add_prefill_node(self, node: str, cache_capacity_blocks: int = 0) -> None:
         self.prefill[node] = PrefillNodeState(node, cache_capacity_blocks=cache_capacity_blocks)
         self._outstanding.setdefault(node, 0)
+        if self.config.per_node_prefill_fit and node not in self.node_estimators:
+            # A node that comes back keeps what it had learned of itself.
+            self.node_estimators[node] = self.prefill_est.fork()
 
     def add_prefill_group(self, group: str, members: tuple[str, ...],
                           estimator: PrefillEstimator, cache_capacity_blocks: int = 0) -> None:
@@ -128,6 +151,9 @@ class Scheduler:
                                                group_members=tuple(members))
         self._outstanding.setdefault(group, 0)
         self.node_estimators[group] = estimator
+
+    def _groups(self) -> set[str]:
+        return {n for n, st in self.prefill.items() if st.group_members}
 
     def estimator_for(self, node: str | None) -> PrefillEstimator:
         return self.node_estimators.get(node, self.prefill_est) if node else self.prefill_est
@@ -288,7 +314,7 @@ class Scheduler:
         cfg = self.config
         if dnode is None:
             return self._reject(req, "no_decode_capacity", ttft, math.inf, 1.0)
-        ttft_limit = cfg.ttft_slo_s * cfg.slo_admit_fraction
+        ttft_limit = self.ttft_admit_limit(plan.node)
         if cfg.reject and ttft > ttft_limit:
             return self._reject(req, "ttft_slo", ttft, tbt, ttft - ttft_limit)
         if cfg.reject and tbt > cfg.tbt_slo_s * cfg.slo_admit_fraction:
@@ -351,7 +377,10 @@ class Scheduler:
         # fetch or an eviction makes it shorter than planned), not the plan.
         prefix = inf.decision.prefix_tokens if actual_prefix_tokens is None \
             else actual_prefix_tokens
-        self.estimator_for(node).observe(inf.req.prompt_tokens, prefix, actual_seconds)
+        est = self.estimator_for(node)
+        est.observe(inf.req.prompt_tokens, prefix, actual_seconds)
+        if est is not self.prefill_est and node not in self._groups():
+            self.prefill_est.observe(inf.req.prompt_tokens, prefix, actual_seconds)
         actual_ttft = now - inf.scheduled_at
         error = inf.decision.predicted_ttft_s - actual_ttft
         alpha = self.config.ttft_bias_alpha
@@ -366,9 +395,21 @@ class Scheduler:
             self._ttft_bias_s = max(0.0, (1 - alpha) * self.ttft_bias(now) + alpha * missed)
             self._ttft_bias_at = now
         self.ttft_errors.append(error)
+        self._node_ttft_errors.setdefault(node, deque(maxlen=NODE_ERROR_WINDOW)).append(abs(error))
         self._ttft_error_count += 1
         self._ttft_error_sum += error
         self._ttft_error_abs_sum += abs(error)
+
+    def ttft_admit_limit(self, node: str) -> float:
+        """The highest predicted TTFT admitted on ``node``: the SLO less its
+        learned headroom (ttft_margin_errors x its recent mean absolute
+        error), else the SLO x slo_admit_fraction."""
+        cfg = self.config
+        errors = self._node_ttft_errors.get(node)
+        if cfg.ttft_margin_errors <= 0 or errors is None or len(errors) < NODE_ERROR_SAMPLES:
+            return cfg.ttft_slo_s * cfg.slo_admit_fraction
+        margin = cfg.ttft_margin_errors * sum(errors) / len(errors)
+        return max(0.0, cfg.ttft_slo_s - margin)
 
     def ttft_bias(self, now: float) -> float:
         """The learned TTFT bias at `now` (0 unless ttft_bias_alpha > 0)."""

@@ -71,7 +71,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from kvstore.keys import TRACE_BLOCK_TOKENS  # noqa: E402
-from mooncaked.benchserve.compare import Target  # noqa: E402
 from mooncaked.benchserve.session import MACHINE_NOTE  # noqa: E402
 from mooncaked.benchserve.workload import WARMUP_HASH_OFFSET, WorkloadConfig, load_slice  # noqa: E402
 
@@ -318,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_requests <= 0 or args.warmup < 0 or not args.rate > 0:
         ap.error("--max-requests must be > 0, --warmup >= 0, --rate > 0")
 
-    from vllm_compare import ensure_vllm_venv, prepare_checkpoint, vllm_target
-    from rate_sweep import up_target
+    from vllm_compare import prepare_checkpoint
+    from rate_sweep import server_targets
 
     try:
         wl = WorkloadConfig(trace=args.trace, offset=args.offset, max_requests=args.max_requests,
@@ -347,18 +346,8 @@ def main(argv: list[str] | None = None) -> int:
            "TRANSFORMERS_OFFLINE": "1"}
 
     b = wl.block_tokens
-    targets: list[Target] = []
-    if "mooncaked" in wanted:
-        # The conductor admits against the same SLOs aiperf judges by.
-        up_args = shlex.split(args.up_args) + [
-            "--set", f"store.block_size={b}",
-            "--set", f"conductor.ttft_slo_s={args.ttft_slo}",
-            "--set", f"conductor.tbt_slo_ms={args.tbt_slo}"]
-        targets.append(up_target(model_dir, up_args, args.out / "logs", 240.0))
-    if "vllm" in wanted:
-        python = ensure_vllm_venv(args.workdir / "venv-vllm")
-        targets.append(vllm_target(python, model_dir, max_len, args.out / "logs" / "vllm.log",
-                                   args.vllm_start_timeout))
+    # mooncaked's conductor admits against the same SLOs aiperf judges by.
+    targets = server_targets(wanted, model_dir, max_len, b, args)
     rows = []
     for target in targets:
         log(f"{target.description}: starting")

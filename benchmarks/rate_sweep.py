@@ -96,6 +96,26 @@ def up_target(model_dir: Path, up_args: list[str], log_dir: Path, start_timeout_
     return Target("mooncaked", f"mooncaked up {shlex.join(up_args) or '(defaults)'}", start, stop)
 
 
+def server_targets(wanted: list[str], model_dir: Path, max_len: int, block_tokens: int,
+                   args: argparse.Namespace) -> list[Target]:
+    """The servers named in ``wanted`` (mooncaked, vllm) on one checkpoint;
+    ``args`` carries up_args, ttft_slo (s), tbt_slo (ms), out, workdir and
+    vllm_start_timeout.  mooncaked's conductor admits against the same SLOs
+    the benchmark judges by."""
+    targets: list[Target] = []
+    if "mooncaked" in wanted:
+        up_args = shlex.split(args.up_args) + [
+            "--set", f"store.block_size={block_tokens}",
+            "--set", f"conductor.ttft_slo_s={args.ttft_slo}",
+            "--set", f"conductor.tbt_slo_ms={args.tbt_slo}"]
+        targets.append(up_target(model_dir, up_args, args.out / "logs", 240.0))
+    if "vllm" in wanted:
+        python = ensure_vllm_venv(args.workdir / "venv-vllm")
+        targets.append(vllm_target(python, model_dir, max_len, args.out / "logs" / "vllm.log",
+                                   args.vllm_start_timeout))
+    return targets
+
+
 def headline(rate: float, name: str, s: dict[str, Any]) -> dict[str, Any]:
     pred = s.get("prediction") or {}
     return {
@@ -206,18 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     slo = Slo(args.ttft_slo, args.tbt_slo)
     wanted = [s.strip() for s in args.servers.split(",") if s.strip()]
     block_tokens = round(512 * args.length_scale)
-    targets: list[Target] = []
-    if "mooncaked" in wanted:
-        # The conductor admits against the same SLOs the benchmark judges by.
-        up_args = shlex.split(args.up_args) + [
-            "--set", f"store.block_size={block_tokens}",
-            "--set", f"conductor.ttft_slo_s={args.ttft_slo}",
-            "--set", f"conductor.tbt_slo_ms={args.tbt_slo}"]
-        targets.append(up_target(model_dir, up_args, args.out / "logs", 240.0))
-    if "vllm" in wanted:
-        python = ensure_vllm_venv(args.workdir / "venv-vllm")
-        targets.append(vllm_target(python, model_dir, max_len, args.out / "logs" / "vllm.log",
-                                   args.vllm_start_timeout))
+    targets = server_targets(wanted, model_dir, max_len, block_tokens, args)
     rows: list[dict[str, Any]] = []
     for i, rate in enumerate(rates):
         wl = WorkloadConfig(trace=args.trace, offset=args.offset, max_requests=args.max_requests,

@@ -560,6 +560,10 @@ def register(app: typer.Typer) -> None:
             raise KeyboardInterrupt
 
         signal.signal(signal.SIGTERM, on_signal)
+        # A shell without job control starts a background job with SIGINT
+        # ignored, and Python keeps an inherited SIG_IGN: `kill -INT` (and
+        # Ctrl-C after `fg`) must still stop the cluster.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         code = 0
         try:
             typer.echo(f"starting local cluster (logs in {cluster.log_dir or 'a temp dir'}) ...", err=True)

@@ -252,3 +252,20 @@ def test_up_passes_served_model_name_to_the_conductor(tmp_path, monkeypatch):
                                       "store.block_size=32", "--log-dir", str(tmp_path)])
     assert result.exit_code == 1
     assert seen["overrides"] == ["store.block_size=32", "conductor.served_model_name=my-llm"]
+
+
+@pytest.mark.slow  # a real `mooncaked up`
+def test_up_stops_on_sigint_even_when_started_with_sigint_ignored(tmp_path):
+    # What a non-interactive shell does to `mooncaked up &`.
+    up = subprocess.Popen(mooncaked_cmd("up", "--prefill", "1", "--decode", "1", *SMALL, *FAST,
+                                        "--log-dir", str(tmp_path / "logs")),
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        assert up.stdout.readline().startswith("API: http://127.0.0.1:")
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()

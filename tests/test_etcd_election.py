@@ -156,6 +156,28 @@ async def test_etcd_down_then_back(etcd):
     await a.close()
 
 
+async def test_a_leader_stuck_on_an_etcd_that_does_not_answer_stops_leading_after_a_ttl(etcd):
+    """etcd stopped (SIGSTOP: connections open, no answers) and calls allowed
+    30 s: the round hangs in the renewal, yet the claim ends a TTL after the
+    last renewal, not when the call gives up."""
+    import signal
+
+    me = ConductorRecord(conductor_id="a", url="http://a:1", incarnation=new_incarnation())
+    a = LeaderElection(EtcdStore(EtcdSection(endpoints=[etcd.endpoint], lease_ttl_s=TTL,
+                                             cluster="t", request_timeout_s=30.0)), me, TTL)
+    a.start()
+    await eventually(lambda: a.is_leader, 10)
+    etcd.proc.send_signal(signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        await eventually(lambda: not a.is_leader, TTL + 2)
+        print(f"\nno longer leading {time.monotonic() - stopped:.2f}s after etcd stopped answering")
+    finally:
+        etcd.proc.send_signal(signal.SIGCONT)
+    await eventually(lambda: a.is_leader, 40)   # the stuck call returns, the lease is renewed
+    await a.close()
+
+
 async def test_no_etcd_at_all_is_reported_not_raised(tmp_path):
     dead = EtcdSection(endpoints=["127.0.0.1:1"], lease_ttl_s=TTL, request_timeout_s=0.5)
     me = ConductorRecord(conductor_id="x", url="http://x:1", incarnation=new_incarnation())

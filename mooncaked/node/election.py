@@ -55,7 +55,7 @@ class LeaderElection:
         self.ttl_s = ttl_s
         self.leader_duty = leader_duty
         self.clock = clock
-        self.is_leader = False
+        self._claims_leadership = False
         self.reachable = False
         self.leader: ConductorRecord | None = None
         self.last_error = "not connected to etcd yet"  # until the first round ends
@@ -66,6 +66,21 @@ class LeaderElection:
         self._duty_done = False      # the catch-up after winning has run
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+
+    @property
+    def is_leader(self) -> bool:
+        """We hold the leader key and renewed our lease less than a TTL ago.
+
+        The age is checked here, on every read, not only when a round fails:
+        a round stuck in a call to an etcd that accepts connections but does
+        not answer would otherwise keep a conductor leading after its lease
+        (and so the leader key) may have expired and another won."""
+        return self._claims_leadership and self._renewed_at is not None \
+            and self.clock() - self._renewed_at < self.ttl_s
+
+    @is_leader.setter
+    def is_leader(self, value: bool) -> None:
+        self._claims_leadership = value
 
     @property
     def round_s(self) -> float:
@@ -155,8 +170,8 @@ class LeaderElection:
 
     def _expire_if_stale(self) -> None:
         """Without a renewal for a TTL our lease may be gone and another leader elected."""
-        if self.is_leader and (self._renewed_at is None
-                               or self.clock() - self._renewed_at >= self.ttl_s):
+        if self._claims_leadership and (self._renewed_at is None
+                                        or self.clock() - self._renewed_at >= self.ttl_s):
             log.warning("no lease renewal for %ds: no longer claiming leadership", self.ttl_s)
             self._set_leader(None)
 

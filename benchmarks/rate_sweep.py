@@ -8,8 +8,8 @@ For every rate and every server: a fresh server (cold cache), warmed on
 the ``--warmup`` requests that follow the slice in the trace, at the same rate
 and with hash ids moved so they share no block with the slice (the kernels,
 buffers and fitted estimators see the slice's shapes; its cache hits stay its
-own), then the slice replayed at that rate (arrival = trace timestamp / rate).  Servers alternate within a rate, so
-machine drift hits both.  mooncaked is started through the real ``mooncaked up``
+own), then the slice replayed at that rate (arrival = trace timestamp / rate).
+Servers alternate within a rate, so machine drift hits both.  mooncaked is started through the real ``mooncaked up``
 command line (``--up-args``, default: its defaults), so what is measured is
 the layout ``up`` picks for this machine.  vLLM: ``vllm_compare.vllm_target``
 (its venv is built on first use, about 3.5 GB).

@@ -429,8 +429,8 @@ def _restart_help(p: RestartPolicy) -> str:
             "--no-restart: the first exit of any node stops the cluster.")
 
 
-def _placement(mode: str, cluster: LocalCluster, cpus_prefill: Optional[str],
-               cpus_decode: Optional[str], borrow: bool = False) -> Placement | None:
+def _placement(mode: str, cluster: LocalCluster, cpus_prefill: frozenset[int] | None,
+               cpus_decode: frozenset[int] | None, borrow: bool = False) -> Placement | None:
     """``up``'s CPU placement: None leaves every node unpinned."""
     if mode not in ("auto", "none"):
         raise ValueError(f"--placement: expected auto or none, got {mode!r}")
@@ -441,21 +441,19 @@ def _placement(mode: str, cluster: LocalCluster, cpus_prefill: Optional[str],
     # Colocated nodes (cluster.decode == 0) run both roles in one process:
     # nothing to separate, each may use every core.
     return place(os.sched_getaffinity(0), cluster.prefill + cluster.cpp_group, cluster.decode,
-                 parse_cpus(cpus_prefill) if cpus_prefill else None,
-                 parse_cpus(cpus_decode) if cpus_decode else None,
+                 cpus_prefill, cpus_decode,
                  borrow=borrow and cluster.decode > 0 and cluster.prefill > 0)
 
 
-def _default_prefill(mode: str, decode: int, colocated: int, cpus_prefill: Optional[str],
-                     cpus_decode: Optional[str]) -> int:
+def _default_prefill(mode: str, decode: int, colocated: int,
+                     cpus_prefill: frozenset[int] | None,
+                     cpus_decode: frozenset[int] | None) -> int:
     """``--prefill`` when not given: as many nodes (up to 2) as the placement
     gives a prefill core each; 2 when nodes are not pinned."""
     if colocated or mode != "auto":
         return DEFAULT_PREFILL_NODES
     try:
-        n = default_prefill_nodes(os.sched_getaffinity(0), decode,
-                                  parse_cpus(cpus_prefill) if cpus_prefill else None,
-                                  parse_cpus(cpus_decode) if cpus_decode else None)
+        n = default_prefill_nodes(os.sched_getaffinity(0), decode, cpus_prefill, cpus_decode)
     except ValueError:
         return DEFAULT_PREFILL_NODES  # _placement reports the error
     if n < DEFAULT_PREFILL_NODES:
@@ -523,8 +521,14 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run a local cluster: one conductor plus prefill and decode nodes on loopback,
         restarting a node that dies."""
+        try:
+            prefill_cpus = parse_cpus(cpus_prefill) if cpus_prefill else None
+            decode_cpus = parse_cpus(cpus_decode) if cpus_decode else None
+        except ValueError as exc:
+            typer.echo(f"mooncaked up: {exc}", err=True)
+            raise typer.Exit(2) from None
         if prefill is None:
-            prefill = _default_prefill(placement, decode, colocated, cpus_prefill, cpus_decode)
+            prefill = _default_prefill(placement, decode, colocated, prefill_cpus, decode_cpus)
         cluster = LocalCluster(prefill=prefill if not colocated else colocated,
                                decode=decode if not colocated else 0, model=model, config=config,
                                overrides=list(overrides) + (
@@ -545,7 +549,7 @@ def register(app: typer.Typer) -> None:
         if colocated:
             cluster.role_of_workers = ("colocated", "decode")
         try:
-            cluster.placement = _placement(placement, cluster, cpus_prefill, cpus_decode,
+            cluster.placement = _placement(placement, cluster, prefill_cpus, decode_cpus,
                                            borrow=borrow and not colocated)
         except ValueError as exc:
             typer.echo(f"mooncaked up: {exc}", err=True)

@@ -1,11 +1,12 @@
 """Load reports (heartbeats) of simulated nodes, as the real nodes compose them.
 
 A report holds only what the node itself can know: its queue (and how long
-its running request has computed) and what it measured, never the simulator's noise-free times. The prefill figure is the
-real prefill node's (roles/prefill/service.py `load()`): queued prompt
-tokens over its measured rate of computed tokens; the decode figures are the real
-batcher's (roles/decode/batcher.py `load()`): the sequences it holds with
-their remaining tokens, and its recent measured steps.
+its running request has computed) and what it measured, never the
+simulator's noise-free times. The prefill figure is the real prefill node's
+(roles/prefill/service.py `load()`): queued prompt tokens over its measured
+rate of computed tokens; the decode figures are the real batcher's
+(roles/decode/batcher.py `load()`): the sequences it holds with their
+remaining tokens, and its recent measured steps.
 """
 from __future__ import annotations
 

@@ -152,9 +152,6 @@ class Scheduler:
         self._outstanding.setdefault(group, 0)
         self.node_estimators[group] = estimator
 
-    def _groups(self) -> set[str]:
-        return {n for n, st in self.prefill.items() if st.group_members}
-
     def estimator_for(self, node: str | None) -> PrefillEstimator:
         return self.node_estimators.get(node, self.prefill_est) if node else self.prefill_est
 
@@ -379,7 +376,10 @@ class Scheduler:
             else actual_prefix_tokens
         est = self.estimator_for(node)
         est.observe(inf.req.prompt_tokens, prefix, actual_seconds)
-        if est is not self.prefill_est and node not in self._groups():
+        # A node's own fit also feeds the cluster-wide one (what a new node
+        # starts from); a CPP group's pipeline times are not a node's.
+        group = node in self.prefill and self.prefill[node].group_members
+        if est is not self.prefill_est and not group:
             self.prefill_est.observe(inf.req.prompt_tokens, prefix, actual_seconds)
         actual_ttft = now - inf.scheduled_at
         error = inf.decision.predicted_ttft_s - actual_ttft

@@ -98,16 +98,19 @@ def gather_kv(kv_pages: torch.Tensor, layer: int, block_table: torch.Tensor,
               length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V of positions [0, length) of one request, each [kv_heads, length, hd]."""
     num_blocks = -(-length // kv_pages.shape[3])
-    # Index a [2, kvh, pages, bs, hd] view, so the one gathering copy comes
-    # out in the layout attention wants.
-    kv = _pages_by_head(kv_pages, layer)[:, :, block_table[:num_blocks]]
-    kv = kv.flatten(2, 3)[:, :, :length]  # [2, kvh, length, hd]
-    return kv[0], kv[1]
+    pages = block_table[:num_blocks]
+    # One index_select per tensor, of whole [bs, kvh, hd] page slabs (each
+    # contiguous in the page layout); the head-major order attention wants is
+    # a transposed view of it.  Gathering through a head-major view of the
+    # pages copied 256-byte rows, and advanced indexing (kv[pages, layer, 0])
+    # copies element-wise: each made decode steps 1.3-3x slower, with the
+    # same results bit for bit.
+    kvh, hd = kv_pages.shape[4], kv_pages.shape[5]
+    keys = torch.index_select(kv_pages[:, layer, 0], 0, pages)
+    values = torch.index_select(kv_pages[:, layer, 1], 0, pages)
+    return (keys.view(-1, kvh, hd)[:length].transpose(0, 1),
+            values.view(-1, kvh, hd)[:length].transpose(0, 1))
 
-
-def _pages_by_head(kv_pages: torch.Tensor, layer: int) -> torch.Tensor:
-    """A [2, kv_heads, num_pages, block_size, head_dim] view of one layer."""
-    return kv_pages[:, layer].permute(1, 3, 0, 2, 4)
 
 
 def prefix_causal_mask(n: int, start: int, dtype: torch.dtype,

@@ -173,14 +173,16 @@ def assert_nothing_held(shard: StoreShard, cached_blocks: int) -> None:
 
 def spy_on_compute(worker: WorkerNode, on_layer=None) -> list:
     """Record the shard's stats as each compute call starts; ``on_layer(i)``
-    runs in the layer hook before the job's own (i counts hook calls)."""
+    runs in the layer hook before the job's own (i counts hook calls across
+    compute calls: a job makes one per chunk)."""
     seen: list = []
     compute = worker.compute
+    calls: list[int] = []
 
     async def spying(fn, *args):
         seen.append(worker.shard.stats())
         if on_layer is not None and args and callable(args[-1]):
-            job_hook, calls = args[-1], []
+            job_hook = args[-1]
 
             def hook(start: int, end: int, layer: int) -> None:
                 on_layer(len(calls))
@@ -194,6 +196,45 @@ def spy_on_compute(worker: WorkerNode, on_layer=None) -> list:
 
 
 # ---- one job ------------------------------------------------------------------------
+
+async def test_compute_queued_meanwhile_runs_between_chunks_not_after_the_prompt(
+        open_worker, decode, tiny_weights):
+    """A colocated node's decode step shares the one compute thread with
+    prefill: a step queued while a prompt computes must run before the
+    prompt's last chunk (token spacing grows by a chunk, not a prompt), and
+    the prompt's result must not change."""
+    worker = await open_worker()
+    loop = asyncio.get_running_loop()
+    order: list[str] = []
+    queued: list[asyncio.Future] = []
+
+    def on_layer(i: int) -> None:    # on the compute thread, inside chunk 1
+        if i == 0:
+            loop.call_soon_threadsafe(lambda: queued.append(asyncio.ensure_future(
+                worker.compute(order.append, "other work"))))
+    spy_on_compute(worker, on_layer=on_layer)
+    grant = decode.reserve(len(PROMPT_A) + GREEDY.max_tokens)
+    job = PrefillJob(spec_for(worker, "req-a", PROMPT_A, grant), worker, CHUNK,
+                     fetch_timeout_s=5.0)
+    hook = job.layer_hook
+
+    def recording_hook(loop_, abort_on_cancel=True):
+        inner = hook(loop_, abort_on_cancel)
+
+        def record(start: int, end: int, layer: int) -> None:
+            if layer == 0:
+                order.append(f"chunk [{start}, {end})")
+            inner(start, end, layer)
+        return record
+    job.layer_hook = recording_hook
+    reply = await job.run()
+    await asyncio.gather(*queued)
+    # PROMPT_A is 40 tokens in chunks of 16: [0,16) [16,32) [32,40).
+    assert order == ["chunk [0, 16)", "other work", "chunk [16, 32)", "chunk [32, 40)"]
+    ref = reference(tiny_weights, PROMPT_A)
+    assert reply.first_token == ref.token
+    decode.assert_kv_landed(grant, PROMPT_A, ref)
+
 
 async def test_first_token_and_streamed_kv_match_the_reference(open_worker, decode, tiny_weights):
     worker = await open_worker()

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from kvstore.shard import StoreFullError, StoreShard
+from model.runner import chunk_bounds
 from model.sampling import sample
 from mooncaked.node.internal_client import UNBOUNDED, InternalCallError, InternalClient
 from mooncaked.node.messages import (FetchPlan, LeaseGrant, LeaseRelease, LeaseRequest,
@@ -260,14 +261,25 @@ class PrefillJob:
             await self.prepare()
             hook = self.layer_hook(asyncio.get_running_loop())
             t_compute = time.perf_counter()
-            logits = await self.worker.compute(self._prefill, self.table, self.cached, hook)
+            logits = None
+            # One compute-thread call per chunk, not one for the whole prompt:
+            # the compute thread is FIFO, so a decode step queued on the same
+            # worker (a colocated node) runs between two chunks instead of
+            # waiting for the whole prefill; token spacing then grows by at
+            # most one chunk.  A cancelled job stops at the next chunk.
+            for start, end in chunk_bounds(self.cached, len(self.spec.token_ids),
+                                           self.chunk_size):
+                if self.cancelled:
+                    raise PrefillCancelled()
+                logits = await self.worker.compute(self._prefill_chunk, start, end, hook)
             return await self.finish(logits, t_compute, time.perf_counter() - t_compute)
         finally:
             await self.cleanup()
 
-    def _prefill(self, table: list[int], cached: int, hook) -> Any:
-        return self.worker.runner.prefill(self.spec.token_ids, table, cached,
-                                          chunk_size=self.chunk_size, layer_hook=hook)
+    def _prefill_chunk(self, start: int, end: int, hook) -> Any:
+        """Tokens [start, end) through every layer; the logits of the last one."""
+        return self.worker.runner.prefill_stage(self.spec.token_ids[start:end], self.table,
+                                                start, layer_hook=hook)
 
     def publish_new_blocks(self, table: list[int], first_new: int) -> None:
         """Keep blocks [first_new, ...) of ``table`` in the local shard under

@@ -125,6 +125,7 @@ class FakeDecode:
     generates: list[DecodeStart] = field(default_factory=list)
     touches: list[str] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
+    generate_started: asyncio.Event = field(default_factory=asyncio.Event)
     stream_closed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def app(self) -> web.Application:
@@ -136,6 +137,7 @@ class FakeDecode:
 
         async def generate(request: web.Request) -> web.StreamResponse:
             self.generates.append(DecodeStart.from_wire(await _body(request)))
+            self.generate_started.set()
             if self.generate_status != 200:
                 return error_response(self.generate_status, "no reservation")
             resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
@@ -442,6 +444,35 @@ async def test_closing_during_the_decode_stream_cancels_the_decode_node(conducto
     assert c.prefill.cancels == []                       # the prefill had finished
     await asyncio.wait_for(c.decode.stream_closed.wait(), 5)   # and the stream is hung up
     assert c.dispatcher.traces["req-c2"].status == "cancelled"
+    c.assert_capacity_returned()
+
+
+async def test_the_decode_stream_is_requested_before_the_first_token_is_handed_on(
+        conductor_for):
+    """The decode node gets DecodeStart while the consumer still holds the
+    first token (writing it to the client), not only once it asks for more."""
+    c = await conductor_for()
+    gen = c.dispatcher.generate("req-ahead", PROMPT, sampling())
+    events = [await gen.__anext__() for _ in range(2)]   # Scheduled, 17
+    assert tokens_of(events) == [(17, -0.5, 16, None)]
+    await asyncio.wait_for(c.decode.generate_started.wait(), 5)
+    assert [g.request_id for g in c.decode.generates] == ["req-ahead"]
+    err = await run(gen, events)
+    assert err is None
+    assert tokens_of(events)[1:] == [(23, -1.0, 16, None), (5, -1.5, 16, None),
+                                     (42, -2.0, 16, "length")]
+    c.assert_capacity_returned()
+
+
+async def test_closing_after_the_first_token_ends_the_stream_requested_ahead(conductor_for):
+    c = await conductor_for(decode=FakeDecode(lines=[], hang=True))
+    gen = c.dispatcher.generate("req-c3", PROMPT, sampling())
+    events = [await gen.__anext__() for _ in range(2)]   # Scheduled, 17
+    await asyncio.wait_for(c.decode.generate_started.wait(), 5)
+    await gen.aclose()
+    assert c.decode.cancels == ["req-c3"]
+    await asyncio.wait_for(c.decode.stream_closed.wait(), 5)
+    assert c.dispatcher.traces["req-c3"].status == "cancelled"
     c.assert_capacity_returned()
 
 

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, TypeVar
 
 from kvstore.keys import block_keys
 from model.sampling import SamplingParams
@@ -265,6 +265,9 @@ class Dispatcher:
         # booked: the Scheduler holds this request's prefill and decode bookings.
         reserved = prefill_done = finished = stream_done = False
         booked = True
+        # The decode node's token stream and its next line, requested ahead.
+        decode_stream: AsyncGenerator[Token, None] | None = None
+        next_line: asyncio.Future | None = None
         self.metrics.running.inc()
         try:
             for attempt in range(1, MAX_PREFILL_ATTEMPTS + 1):
@@ -356,14 +359,23 @@ class Dispatcher:
             if finish is not None:
                 # Marked before the yield: the consumer may close us right after it.
                 finished, trace.status = True, "ok"
+            else:
+                # DecodeStart goes out before the first token is handed to the
+                # client, not after its write: the decode node can take the
+                # request into its next step while the conductor writes.
+                decode_stream = self._decode_stream(decode.url, request_id, len(token_ids),
+                                                    first, sampling, trace, t0)
+                next_line = asyncio.ensure_future(anext(decode_stream))
             yield Token(first, result.logprob, trace.cached_tokens, finish)
-            if finish is None:
-                async for token in self._decode_stream(decode.url, request_id, len(token_ids),
-                                                       first, sampling, trace, t0):
-                    if token.finish_reason is not None:
-                        finished = stream_done = True
-                        trace.status = "ok"
-                    yield token
+            while next_line is not None:
+                token = await next_line
+                next_line = None
+                if token.finish_reason is not None:
+                    finished = stream_done = True
+                    trace.status = "ok"
+                yield token
+                if token.finish_reason is None:
+                    next_line = asyncio.ensure_future(anext(decode_stream))
         except GeneratorExit:
             if not finished:
                 trace.status = "cancelled"
@@ -375,6 +387,13 @@ class Dispatcher:
             trace.status = "cancelled"
             raise
         finally:
+            if next_line is not None:
+                # Its task drives the stream: it must end before the stream
+                # can be closed (asyncio.wait does not raise what it raised).
+                next_line.cancel()
+                await asyncio.wait([next_line])
+            if decode_stream is not None:
+                await decode_stream.aclose()
             self.metrics.running.dec()
             now = time.monotonic()
             if not prefill_done:

@@ -409,3 +409,40 @@ def test_a_node_with_a_record_of_small_errors_admits_closer_to_the_slo():
     assert plain.ttft_admit_limit("p0") == pytest.approx(0.9)
     with pytest.raises(ValueError, match="ttft_margin_errors"):
         SchedulerConfig(ttft_margin_errors=-1)
+
+
+def test_of_two_nodes_the_one_whose_predictions_hold_is_chosen_and_admits_more():
+    """Node p0's recent TTFTs came 0.2 s later than predicted, p1's 10 ms:
+    margins 0.4 s and 0.02 s.  Both are idle and priced alike, so plain
+    Algorithm 1 takes the first (p0), whose limit (0.6 s) refuses a 0.8 s
+    prediction that p1 (limit 0.98 s) admits."""
+    s = Scheduler(SchedulerConfig(policy="mooncake", ttft_slo_s=1.0, tbt_slo_s=1.0,
+                                  kv_bytes_per_token=1000, slo_admit_fraction=0.9,
+                                  ttft_margin_errors=2.0),
+                  PolynomialPrefillEstimator({"n": 1e-3}), TransferEstimator(1e9),
+                  DecodeEstimator(0.02, 0.001, 0.0))
+    for node in ("p0", "p1"):
+        s.add_prefill_node(node)
+    s.add_decode_node("d0", page_budget=10_000, page_tokens=BS)
+
+    def record(node: str, late_s: float, t: float) -> None:
+        # The other node reports a long queue, so the request goes to `node`;
+        # it comes `late_s` after its 0.1 s prediction.
+        other = "p1" if node == "p0" else "p0"
+        s.on_node_report(other, NodeReport(at=t, queued_prefill_s=50.0), t)
+        s.on_node_report(node, NodeReport(at=t, queued_prefill_s=0.0), t)
+        d = s.schedule(req(f"{node}-{t}", 100), now=t)
+        assert isinstance(d, Decision) and d.prefill_node == node
+        s.on_prefill_finished(node, d.request_id, now=t + 0.1 + late_s, actual_seconds=0.1)
+        s.on_decode_finished("d0", d.request_id, now=t + 1.0)
+
+    for i in range(16):
+        record("p0", 0.2, 10.0 * i)
+        record("p1", 0.01, 10.0 * i + 5.0)
+    assert s.ttft_admit_limit("p0") == pytest.approx(0.6)
+    assert s.ttft_admit_limit("p1") == pytest.approx(0.98)
+    for node in ("p0", "p1"):
+        s.on_node_report(node, NodeReport(at=500.0, queued_prefill_s=0.0), 500.0)
+    d = s.schedule(req("near-the-slo", 800), now=500.0)   # 0.8 s predicted on either
+    assert isinstance(d, Decision) and d.prefill_node == "p1"
+    assert d.predicted_ttft_s == pytest.approx(0.8)

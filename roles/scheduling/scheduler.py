@@ -194,7 +194,8 @@ class Scheduler:
             outstanding=lambda n: self._outstanding.get(n, 0),
             cached_blocks=self.index.blocks_on,
             node_prefill_s=lambda node, n, p: self.estimator_for(node).seconds(n, p),
-            transferable=lambda node: not self.prefill[node].group_members)
+            transferable=lambda node: not self.prefill[node].group_members,
+            ttft_margin=lambda node: self.config.ttft_slo_s - self.ttft_admit_limit(node))
 
     def step_seconds(self, node: str) -> float:
         """The decode node's step time as last measured (its reported TBT),

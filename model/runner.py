@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from kvstore.layout import PageLayout
 from model.config import RuntimeConfig, page_layout
 from model.llama import (Rope, VarlenSeq, decode_layer, prefill_layer, prefill_layer_varlen,
-                         prefix_causal_mask, rms_norm)
+                         chunk_mask, rms_norm)
 from model.weights import TORCH_DTYPES, ModelWeights, load_weights
 
 # layer_hook(chunk_start, chunk_end, layer): the KV of tokens [chunk_start,
@@ -184,7 +184,7 @@ class ModelRunner:
             self._check_tokens(token_ids)
             table = self._block_table(block_table, n_all)
             n = n_all - cached
-            mask = prefix_causal_mask(n, cached, w.dtype, self.device) if cached else None
+            mask = chunk_mask(n, cached, w.dtype, self.device)
             seqs.append(VarlenSeq(offset, n, cached, table, mask))
             positions.append(torch.arange(cached, n_all, device=self.device))
             tokens.extend(token_ids[cached:])
@@ -247,7 +247,7 @@ class ModelRunner:
         # The hook always names model layers, whatever the page layout.
         hook = None if layer_hook is None else \
             (lambda kv_layer: layer_hook(start, end, kv_layer + base))
-        mask = prefix_causal_mask(end - start, start, w.dtype, self.device) if start else None
+        mask = chunk_mask(end - start, start, w.dtype, self.device)
         for i, lw in enumerate(w.layers):
             x = prefill_layer(x, lw, c, w.first_layer + i - base, self.kv_pages, table, start,
                               cos, sin, mask, hook)

@@ -248,3 +248,21 @@ def test_pipeline_stages_match_the_whole_model(weights):
         stages[0].prefill(prompt, table, 0)
     with pytest.raises(ValueError, match="hidden states"):
         stages[1].prefill_stage([1, 2], table, 0)
+
+
+@pytest.mark.parametrize("n,start", [(16, 16), (5, 40), (33, 7)])
+def test_split_chunk_attention_equals_the_masked_one(n, start):
+    """On CPU a chunk after the first attends to the prefix and to itself in
+    two kernel calls merged by log-sum-exp; it must equal one call with the
+    bottom-right causal mask (GQA: 4 query heads on 2 KV heads)."""
+    from model.llama import chunk_attention, chunk_mask, prefix_causal_mask
+    g = torch.Generator().manual_seed(n + start)
+    q = torch.randn(4, n, 8, generator=g)
+    keys = torch.randn(2, start + n, 8, generator=g)
+    values = torch.randn(2, start + n, 8, generator=g)
+    assert chunk_mask(n, start, torch.float32, "cpu") is None     # the split path
+    masked = chunk_attention(q, keys, values, start, prefix_causal_mask(n, start, torch.float32,
+                                                                        "cpu"))
+    split = chunk_attention(q, keys, values, start, None)
+    assert split.shape == (4, n, 8)
+    torch.testing.assert_close(split, masked, atol=1e-6, rtol=1e-5)

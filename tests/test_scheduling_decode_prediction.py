@@ -413,9 +413,10 @@ def test_a_node_with_a_record_of_small_errors_admits_closer_to_the_slo():
 
 def test_of_two_nodes_the_one_whose_predictions_hold_is_chosen_and_admits_more():
     """Node p0's recent TTFTs came 0.2 s later than predicted, p1's 10 ms:
-    margins 0.4 s and 0.02 s.  Both are idle and priced alike, so plain
-    Algorithm 1 takes the first (p0), whose limit (0.6 s) refuses a 0.8 s
-    prediction that p1 (limit 0.98 s) admits."""
+    margins 0.4 s and 0.02 s.  Both are idle and priced alike, so Algorithm
+    1 takes the first (p0), whose limit (0.6 s) refuses a 0.8 s prediction;
+    the request goes to p1 (limit 0.98 s) instead of being rejected.  A short
+    request stays with Algorithm 1's choice."""
     s = Scheduler(SchedulerConfig(policy="mooncake", ttft_slo_s=1.0, tbt_slo_s=1.0,
                                   kv_bytes_per_token=1000, slo_admit_fraction=0.9,
                                   ttft_margin_errors=2.0),
@@ -446,3 +447,9 @@ def test_of_two_nodes_the_one_whose_predictions_hold_is_chosen_and_admits_more()
     d = s.schedule(req("near-the-slo", 800), now=500.0)   # 0.8 s predicted on either
     assert isinstance(d, Decision) and d.prefill_node == "p1"
     assert d.predicted_ttft_s == pytest.approx(0.8)
+    short = s.schedule(req("short", 100), now=500.0)      # 0.1 s on p0, 0.9 s on p1
+    assert isinstance(short, Decision) and short.prefill_node == "p0"
+    s.on_node_report("p0", NodeReport(at=600.0, queued_prefill_s=0.0), 600.0)
+    s.on_node_report("p1", NodeReport(at=600.0, queued_prefill_s=0.0), 600.0)
+    refused = s.schedule(req("over-both", 990), now=600.0)  # over both limits
+    assert isinstance(refused, Rejection) and refused.reason == "ttft_slo"

@@ -35,8 +35,7 @@ class PlanContext:
                  kv_bytes_per_token: int, outstanding: Callable[[str], int],
                  cached_blocks: Callable[[str], int],
                  node_prefill_s: Callable[[str, int, int], float] | None = None,
-                 transferable: Callable[[str], bool] | None = None,
-                 ttft_margin: Callable[[str], float] | None = None) -> None:
+                 transferable: Callable[[str], bool] | None = None) -> None:
         self.req = req
         self.now = now
         self.nodes = nodes
@@ -53,16 +52,6 @@ class PlanContext:
         # A CPP group holds each block's KV spread over its stages by layer:
         # it can neither serve a whole-block pull nor receive one.
         self.transferable = transferable or (lambda node: True)
-        # Seconds of headroom the scheduler keeps under the TTFT SLO on a node
-        # (the admission check is ttft + margin <= SLO): a node whose
-        # predictions have erred more needs more.  0 when not learned.
-        self.ttft_margin = ttft_margin or (lambda node: 0.0)
-
-    def risk_ttft(self, plan: PrefillPlan) -> float:
-        """A plan's TTFT plus its node's margin: what cache-aware policies
-        minimise, so that of two nodes the one likelier to meet the SLO wins
-        (equal margins: the plain Algorithm 1 choice)."""
-        return plan.ttft + self.ttft_margin(plan.node)
 
     def local(self, node: str) -> int:
         return self.matches.get(node, 0)
@@ -134,7 +123,7 @@ class LocalCacheAwarePolicy(Policy):
     name = "local_cache_aware"
 
     def choose(self, ctx: PlanContext) -> PrefillPlan:
-        return min((ctx.plan(n) for n in ctx.nodes), key=ctx.risk_ttft)
+        return min((ctx.plan(n) for n in ctx.nodes), key=lambda p: p.ttft)
 
 
 class MooncakePolicy(Policy):
@@ -143,8 +132,7 @@ class MooncakePolicy(Policy):
     For every node: if best_len / node.prefix_len > threshold, price pulling
     the better prefix from the best holder (T_transfer), else recompute from
     the local prefix. Keep the node with the least
-    T_transfer + T_queue + T_prefill (plus the node's TTFT margin, which is
-    the same for every node unless learned per node). The chosen node keeps what it pulled
+    T_transfer + T_queue + T_prefill. The chosen node keeps what it pulled
     (the executor stores all the request's blocks on it), which is how hot
     prefixes get replicated. Among several holders of the longest prefix the
     one whose NIC frees first is the source.
@@ -171,7 +159,7 @@ class MooncakePolicy(Policy):
                 plan = ctx.plan(node, source, best_len)
             else:
                 plan = ctx.plan(node)
-            if best is None or ctx.risk_ttft(plan) < ctx.risk_ttft(best):
+            if best is None or plan.ttft < best.ttft:
                 best = plan
         assert best is not None
         return best

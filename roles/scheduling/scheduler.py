@@ -15,7 +15,7 @@ from .index import GlobalCacheIndex
 from .policies import PlanContext, Policy
 from .registry import make_policy
 from .state import (BookedJoin, Decision, DecodeLoad, DecodeNodeState, NodeReport,
-                    PendingPrefill, PrefillNodeState, Rejection, ScheduleRequest)
+                    PendingPrefill, PrefillNodeState, PrefillPlan, Rejection, ScheduleRequest)
 
 # Recent TTFT prediction errors kept for status pages (totals are running sums).
 RECENT_TTFT_ERRORS = 1024
@@ -194,8 +194,7 @@ class Scheduler:
             outstanding=lambda n: self._outstanding.get(n, 0),
             cached_blocks=self.index.blocks_on,
             node_prefill_s=lambda node, n, p: self.estimator_for(node).seconds(n, p),
-            transferable=lambda node: not self.prefill[node].group_members,
-            ttft_margin=lambda node: self.config.ttft_slo_s - self.ttft_admit_limit(node))
+            transferable=lambda node: not self.prefill[node].group_members)
 
     def step_seconds(self, node: str) -> float:
         """The decode node's step time as last measured (its reported TBT),
@@ -292,6 +291,24 @@ class Scheduler:
                 best, best_tbt = d, tbt
         return best, best_tbt
 
+    def _admissible_plan(self, ctx: PlanContext, plan: PrefillPlan, bias: float) -> PrefillPlan:
+        """With TTFT limits learned per node (ttft_margin_errors), the
+        policy's choice may exceed its own node's limit while the next best
+        node, whose predictions hold better, admits the same request: the
+        policy chooses again without the nodes that refused, and its first
+        choice stands (to be rejected) when every node refuses.  Nothing
+        changes while the choice is within its limit, so Algorithm 1 decides
+        whenever the SLO is not at stake."""
+        first = plan
+        nodes = list(ctx.nodes)
+        while plan.ttft + bias > self.ttft_admit_limit(plan.node):
+            nodes.remove(plan.node)
+            if not nodes:
+                return first
+            ctx.nodes = nodes
+            plan = self.policy.choose(ctx)
+        return plan
+
     def _reject(self, req: ScheduleRequest, reason: str, ttft: float, tbt: float,
                 retry: float) -> Rejection:
         self.rejections[reason] = self.rejections.get(reason, 0) + 1
@@ -307,9 +324,11 @@ class Scheduler:
         plan = self.policy.choose(ctx)
         # The bias is the same for every node: it moves the prediction, not the choice.
         bias = self.ttft_bias(now)
+        cfg = self.config
+        if cfg.reject and cfg.ttft_margin_errors > 0:
+            plan = self._admissible_plan(ctx, plan, bias)
         ttft = plan.ttft + bias
         dnode, tbt = self.select_decode(req, now, ttft)
-        cfg = self.config
         if dnode is None:
             return self._reject(req, "no_decode_capacity", ttft, math.inf, 1.0)
         ttft_limit = self.ttft_admit_limit(plan.node)

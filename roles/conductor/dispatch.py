@@ -265,7 +265,7 @@ class Dispatcher:
         # booked: the Scheduler holds this request's prefill and decode bookings.
         reserved = prefill_done = finished = stream_done = False
         booked = True
-        # The decode node's token stream and its next line, requested ahead.
+        # The decode node's token stream, and its first line requested ahead.
         decode_stream: AsyncGenerator[Token, None] | None = None
         next_line: asyncio.Future | None = None
         self.metrics.running.inc()
@@ -367,15 +367,16 @@ class Dispatcher:
                                                     first, sampling, trace, t0)
                 next_line = asyncio.ensure_future(anext(decode_stream))
             yield Token(first, result.logprob, trace.cached_tokens, finish)
-            while next_line is not None:
-                token = await next_line
-                next_line = None
-                if token.finish_reason is not None:
+            token = None
+            if next_line is not None:
+                token, next_line = await next_line, None
+            while token is not None:
+                done = token.finish_reason is not None
+                if done:
                     finished = stream_done = True
                     trace.status = "ok"
                 yield token
-                if token.finish_reason is None:
-                    next_line = asyncio.ensure_future(anext(decode_stream))
+                token = None if done else await anext(decode_stream)
         except GeneratorExit:
             if not finished:
                 trace.status = "cancelled"

@@ -23,7 +23,7 @@ from typing import Any
 from kvstore.shard import StoreFullError, StoreShard
 from model.runner import chunk_bounds
 from model.sampling import sample
-from mooncaked.node.internal_client import UNBOUNDED, InternalCallError, InternalClient
+from mooncaked.node.internal_client import UNBOUNDED, InternalCallError
 from mooncaked.node.messages import (FetchPlan, LeaseGrant, LeaseRelease, LeaseRequest,
                                      PrefillReply, PrefillRequest, ReservationGrant, Route)
 from rdma.types import TransferError, TransferOp, TransferRequest

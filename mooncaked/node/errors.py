@@ -81,11 +81,18 @@ async def read_json(request: web.Request, max_bytes: int) -> Any:
     if request.content_length is not None and request.content_length > max_bytes:
         raise ApiError(413, f"request body of {request.content_length} bytes exceeds the "
                             f"limit of {max_bytes}")
-    body = await request.content.read(max_bytes + 1)
-    if len(body) > max_bytes:
-        raise ApiError(413, f"request body exceeds the limit of {max_bytes} bytes")
+    # StreamReader.read(n) returns what has arrived, up to n bytes, not n
+    # bytes: a body that comes in several pieces (a large or chunked one, a
+    # lossy link) must be read until its end, else it is parsed truncated.
+    parts: list[bytes] = []
+    size = 0
+    while part := await request.content.read(max_bytes + 1 - size):
+        parts.append(part)
+        size += len(part)
+        if size > max_bytes:
+            raise ApiError(413, f"request body exceeds the limit of {max_bytes} bytes")
     try:
-        return orjson.loads(body)
+        return orjson.loads(b"".join(parts))
     except orjson.JSONDecodeError as exc:
         raise ApiError(400, f"malformed JSON body: {exc}") from None
 

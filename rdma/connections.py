@@ -37,7 +37,7 @@ class Connections:
         self.pool: SievePool[EpKey, Endpoint] = SievePool(config.max_endpoints, self._evicted)
         self.paths = PathTable(config.nic_backoff_s, config.nic_backoff_max_s)
         self.path_failures = 0
-        self._connecting: dict[EpKey, asyncio.Future] = {}
+        self._connecting: dict[EpKey, tuple[SegmentDescriptor, asyncio.Future]] = {}
         self._slots: dict[tuple[str, Path], asyncio.Semaphore] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._verbs: VerbsTransport | None = None
@@ -65,45 +65,68 @@ class Connections:
 
     async def endpoint(self, desc: SegmentDescriptor, path: Path) -> Endpoint:
         """Least-busy live connection of ``path``; opens another one (up to
-        connections_per_peer) when all existing ones are busy."""
+        connections_per_peer) when all existing ones are busy.
+
+        A connection serves only callers of the descriptor it was opened for:
+        a peer that registered again (restarted on new ports) is reached
+        through new connections, and a caller still holding the descriptor
+        the directory replaced gets EndpointError at once (its request looks
+        the peer up afresh) instead of a connect to the old address."""
         seg = desc.name
-        best: Endpoint | None = None
-        free_idx = None
-        for idx in range(self.config.connections_per_peer):
-            key = (seg, path, idx)
-            ep = self.pool.get(key)
-            if ep is None or ep.failed is not None:
-                if ep is not None:
-                    self.pool.remove(key)
-                if free_idx is None:
-                    free_idx = idx
+        while True:
+            best: Endpoint | None = None
+            free_idx = None
+            for idx in range(self.config.connections_per_peer):
+                key = (seg, path, idx)
+                ep = self.pool.get(key)
+                if ep is not None and ep.failed is None and ep.descriptor != desc:
+                    if self.directory.holds(ep.descriptor):
+                        raise EndpointError(f"segment {seg!r} registered again since this request "
+                                            f"looked it up (new address)")
+                    self.pool.remove(key)  # opened for a registration the peer has left
+                    ep.retire()
+                    ep = None
+                if ep is None or ep.failed is not None:
+                    if ep is not None:
+                        self.pool.remove(key)
+                    if free_idx is None:
+                        free_idx = idx
+                    continue
+                if best is None or len(ep.pending) < len(best.pending):
+                    best = ep
+            if best is not None and (not best.pending or free_idx is None):
+                return best
+            if free_idx is None:
+                assert best is not None
+                return best
+            key = (seg, path, free_idx)
+            other = self._connecting.get(key)
+            if other is not None and other[0] != desc:
+                # A connect for another registration holds the slot: let it end
+                # (it fails, or pools an endpoint the loop above judges).
+                await asyncio.wait([other[1]])
                 continue
-            if best is None or len(ep.pending) < len(best.pending):
-                best = ep
-        if best is not None and (not best.pending or free_idx is None):
-            return best
-        if free_idx is None:
-            assert best is not None
-            return best
-        return await self._connect((seg, path, free_idx), desc, path)
+            return await self._connect(key, desc, path)
 
     async def _connect(self, key: EpKey, desc: SegmentDescriptor, path: Path) -> Endpoint:
-        fut = self._connecting.get(key)
-        if fut is not None:
-            return await asyncio.shield(fut)
+        """Open the endpoint for ``key``; concurrent askers with the same
+        descriptor share one connect."""
+        pending = self._connecting.get(key)
+        if pending is not None:
+            return await asyncio.shield(pending[1])
         assert self._loop is not None, "connections not started"
         fut = self._loop.create_future()
-        self._connecting[key] = fut
+        self._connecting[key] = (desc, fut)
         try:
             ep = self._new_endpoint(desc, path)
-            ep.pool_key = key
+            ep.pool_key, ep.descriptor = key, desc
             try:
                 await ep.connect()
             except EndpointError as e:
                 self.path_failures += 1
                 self.paths.failure(key[0], path, str(e))
                 # The peer may have restarted elsewhere; look it up again next time.
-                self.directory.invalidate(key[0])
+                self.directory.invalidate(desc)
                 raise
             self.pool.put(key, ep)
             fut.set_result(ep)

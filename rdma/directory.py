@@ -54,13 +54,18 @@ class SegmentDirectory:
         return seg
 
     def holds(self, desc: SegmentDescriptor) -> bool:
-        """``desc`` is still the descriptor held under its name (not dropped
-        by ``invalidate``, not replaced)."""
-        return (self._known.get(desc.name) or self._cached.get(desc.name)) is desc
+        """``desc`` (by value: concurrent lookups decode equal copies) is still
+        the descriptor held under its name (not dropped by ``invalidate``,
+        not replaced by another registration)."""
+        return (self._known.get(desc.name) or self._cached.get(desc.name)) == desc
 
-    def invalidate(self, name: str) -> None:
-        """Forget ``name`` after a failed connect, when a resolver can refresh it
-        (without one, a dropped descriptor could never come back)."""
-        if self._resolver is not None:
-            self._known.pop(name, None)
-            self._cached.remove(name)
+    def invalidate(self, stale: SegmentDescriptor) -> None:
+        """Forget ``stale`` after a failed connect to it, when a resolver can
+        refresh it (without one, a dropped descriptor could never come back).
+
+        Only ``stale`` itself is dropped: a connect to the old address can
+        fail after another request already looked up the peer's new
+        descriptor, and dropping that one would fail the requests using it."""
+        if self._resolver is not None and self.holds(stale):
+            self._known.pop(stale.name, None)
+            self._cached.remove(stale.name)

@@ -55,6 +55,7 @@ class Endpoint:
         self.connect_timeout_s = connect_timeout_s
         self.on_fail = on_fail
         self.pool_key: Any = None  # set by the owner that pools it (connections.py)
+        self.descriptor: Any = None  # the peer's registration it was opened for (idem)
         self.pending: dict[int, Posted] = {}
         self.pending_bytes = 0
         self.last_progress = time.monotonic()

@@ -9,7 +9,15 @@ request, with nothing moved, is run once more against a fresh lookup.
 
 from __future__ import annotations
 
+import asyncio
+import socket
+
+import pytest
+
 from rdma.config import TransferConfig
+from rdma.connections import Connections
+from rdma.directory import SegmentDirectory
+from rdma.endpoint import EndpointError
 from rdma.engine import TransferEngine
 from rdma.types import WRITE, TransferRequest
 
@@ -46,3 +54,50 @@ async def test_a_write_after_the_peer_restarted_elsewhere_lands_on_the_new_peer(
             src[:] = b"\xa5" * SIZE
             await sender.transfer(write)
         assert new_target == src
+
+
+async def test_a_connect_to_the_old_address_neither_serves_nor_drops_the_new_registration():
+    """The race behind a 502 after a decode node's restart (clean-clone CI):
+    one request still connecting to the stale address while another already
+    holds the peer's new descriptor.  The new one gets its own connection,
+    and the stale connect's failure leaves the new descriptor in place."""
+    silent = socket.socket()  # the old address: accepts, never answers the handshake
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    cfg = TransferConfig(transport="tcp", connect_timeout_s=1, nic_backoff_s=0.05)
+    directory = SegmentDirectory()
+    current: dict = {}
+
+    async def resolver(name: str):
+        return current.get(name)
+
+    directory.set_resolver(resolver)
+    conns = Connections(cfg, directory)
+    conns.start(asyncio.get_running_loop(), None)
+    path = ("127.0.0.1", "127.0.0.1")
+    try:
+        async with engine("decode") as new:
+            new.register_local_memory(bytearray(SIZE))
+            fresh_wire = new.segment_descriptor()
+            stale_wire = {**fresh_wire, "nics": [{**fresh_wire["nics"][0],
+                                                  "port": silent.getsockname()[1]}]}
+            current["decode"] = stale_wire
+            stale = await directory.resolve("decode")
+            old_connect = asyncio.create_task(conns.endpoint(stale, path))
+            await asyncio.sleep(0.2)  # connected at TCP level, waiting for the handshake
+            assert not old_connect.done()
+            current["decode"] = fresh_wire
+            directory.add(fresh_wire)  # another request looked the peer up again
+            fresh = await directory.resolve("decode")
+            ep = await conns.endpoint(fresh, path)
+            assert ep.failed is None and ep.descriptor == fresh
+            with pytest.raises(EndpointError):
+                await old_connect
+            assert directory.holds(fresh)
+            assert await directory.resolve("decode") == fresh
+            # A request still holding the stale descriptor is told at once.
+            with pytest.raises(EndpointError, match="registered again"):
+                await conns.endpoint(stale, path)
+    finally:
+        conns.close()
+        silent.close()

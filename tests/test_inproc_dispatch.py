@@ -693,6 +693,30 @@ async def test_a_connection_dropped_before_the_answer_is_retried_on_fresh_pages(
         await dropper.wait_closed()
 
 
+async def test_a_prefill_node_declared_dead_mid_request_hands_it_to_another(conductor_for):
+    """Membership's verdict on a silent node (partitioned, or killed at idle
+    priority so that its sockets close late) reschedules its requests like a
+    reset connection: served by the live node on fresh decode pages, where
+    they used to fail with 502 (clean-clone CI, ``up --borrow``)."""
+    c = await conductor_for(FakePrefill(hold=asyncio.Event()))
+    async with a_busier_second_prefill_node(c) as live:
+        task = asyncio.ensure_future(run(c.dispatcher.generate("req-moved", PROMPT, sampling()), []))
+        await asyncio.wait_for(c.prefill.started.wait(), 5)
+        registry = c.cluster.registry
+        registry.get("prefill-0").last_seen -= 1000.0   # its heartbeats stopped long ago
+        assert [r.node_id for r in registry.sweep(time.monotonic())] == ["prefill-0"]
+        assert await asyncio.wait_for(task, 5) is None
+        assert [r.request_id for r in live.received] == ["req-moved"]
+        trace = c.dispatcher.traces["req-moved"]
+        assert (trace.prefill_node, trace.prefill_attempts, trace.status) == ("prefill-1", 2, "ok")
+        # It may have begun writing KV: the first pages were released first.
+        assert [r.request_id for r in c.decode.reserves] == ["req-moved", "req-moved"]
+        assert c.decode.cancels == ["req-moved"]
+        assert c.prefill.cancels == []   # nothing sent to the dead node
+    c.assert_capacity_returned()
+    assert c.dispatcher._prefill_calls == {} and c.dispatcher._abandoned == {}
+
+
 async def test_a_draining_decode_node_is_sent_no_new_request(conductor_for):
     """POST /admin/drain on a decode node shows in its heartbeat: the conductor
     stops choosing it (with no other decode node: 503 no_decode_capacity) until

@@ -154,7 +154,12 @@ class Dispatcher:
             reason = self._abandoned.pop(call, None)
             if reason is None:
                 raise  # our own caller was cancelled (client gone)
-            raise ApiError(502, reason) from None
+            # Retried elsewhere like a dropped connection: a node that dies
+            # slowly (kill -9 of a process at idle priority on a busy core
+            # closes its sockets late) or is partitioned (no FIN at all) is
+            # no different from one that reset the connection, and it may
+            # have begun writing KV, so the retry takes fresh decode pages.
+            raise PrefillRefused(502, reason, maybe_started=True) from None
         finally:
             calls.discard(call)
             if not calls and self._prefill_calls.get(node_id) is calls:
@@ -334,10 +339,8 @@ class Dispatcher:
                     if isinstance(retry, Rejection):
                         raise
                     booked = True
-                    log.warning("%s: prefill node %s %s; rescheduled on %s", request_id,
-                                decision.prefill_node,
-                                "dropped the connection before answering" if exc.maybe_started
-                                else "refused the connection", retry.prefill_node)
+                    log.warning("%s: prefill node %s failed (%s); rescheduled on %s", request_id,
+                                decision.prefill_node, exc.message, retry.prefill_node)
                     if reserved and retry.decode_node != decision.decode_node:
                         await self._cancel(decode.url + Route.DECODE_CANCEL, request_id)
                         reserved = False

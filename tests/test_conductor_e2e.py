@@ -66,8 +66,8 @@ def test_bad_requests_get_json_errors_and_the_cluster_keeps_serving(mooncake, bo
     assert ok == 200
 
 
-def burst(url: str, system: list[int], n: int, seed: int) -> list[dict]:
-    prompts = [system + tokens(24, seed=seed + i) for i in range(n)]
+def burst(url: str, system: list[int], n: int, seed: int, suffix: int = 24) -> list[dict]:
+    prompts = [system + tokens(suffix, seed=seed + i) for i in range(n)]
     with ThreadPoolExecutor(max_workers=n) as pool:
         results = list(pool.map(lambda p: complete(url, p, max_tokens=2), prompts))
     assert all(status == 200 for status, _ in results), results
@@ -75,16 +75,23 @@ def burst(url: str, system: list[int], n: int, seed: int) -> list[dict]:
 
 
 def test_hot_prefix_is_replicated_to_every_prefill_node(mooncake):
+    """A prefix is pulled by another node when the holder's queue would cost
+    more than the pull: each request of a burst brings 192 new tokens to
+    compute, so the holder's queue grows by more than a pull of the prefix
+    takes.  (With 24 it grew by a few ms a request, about what a pull of
+    160 tokens costs here: whether the third node ever got one was chance.)"""
     system = tokens(SYSTEM_TOKENS, seed=99)
     complete(mooncake.url, system + tokens(8, seed=1), max_tokens=2)  # first holder
     traces = []
     for round_ in range(4):  # bounded: a few bursts of 8 concurrent requests
-        traces += burst(mooncake.url, system, 8, seed=100 + 10 * round_)
+        traces += burst(mooncake.url, system, 8, seed=100 + 10 * round_, suffix=192)
         _, where = post_json(mooncake.url + "/admin/cache/match", {"prompt": system})
         if len([n for n, t in where["nodes"].items() if t >= SYSTEM_TOKENS]) == 3:
             break
     assert {n: t for n, t in where["nodes"].items() if t >= SYSTEM_TOKENS}.keys() == \
-        {"prefill-0", "prefill-1", "prefill-2"}, where
+        {"prefill-0", "prefill-1", "prefill-2"}, (where, [
+            (t["prefill_node"], t["transfer_planned_from"], t["predicted_ttft_s"], t["ttft_s"])
+            for t in traces])
     # Replication happened by pulling, not by recomputing the prefix.
     assert sum(t["fetched_tokens"] for t in traces) >= 2 * SYSTEM_TOKENS
     assert all(t["cached_tokens"] >= SYSTEM_TOKENS for t in traces)

@@ -386,6 +386,35 @@ def test_each_prefill_node_is_priced_by_its_own_fit():
     assert one.estimator_for("p1") is one.estimator_for("p0") is one.prefill_est
 
 
+def test_a_node_without_its_own_fit_is_priced_by_the_cluster_fit_not_its_starting_prior():
+    """Both nodes join at start, forked from a prior of 2 ms a token; the
+    cluster runs at 1 ms.  p0 serves every request (p1 is drained) and learns
+    it; p1, with no samples of its own, is priced as the cluster now runs
+    (it used to keep the 2 ms prior, so least-TTFT never chose it and it
+    never gathered the samples that would correct it)."""
+    s = Scheduler(SchedulerConfig(policy="mooncake", ttft_slo_s=30.0, tbt_slo_s=1.0,
+                                  kv_bytes_per_token=1000, per_node_prefill_fit=True),
+                  PolynomialPrefillEstimator({"n": 2e-3}, refit_every=5, window=5),
+                  TransferEstimator(1e9), DecodeEstimator(0.02, 0.001, 0.0))
+    s.add_prefill_node("p0")
+    s.add_prefill_node("p1")
+    s.add_decode_node("d0", page_budget=10_000, page_tokens=BS)
+    s.prefill["p1"].accepting = False
+    for i in range(10):
+        tokens = 200 + 100 * (i % 5)
+        d = s.schedule(req(f"r{i}", tokens), now=float(i))
+        assert d.prefill_node == "p0"
+        s.on_prefill_finished("p0", f"r{i}", now=i + 0.5, actual_seconds=1e-3 * tokens)
+        s.on_decode_finished("d0", f"r{i}", now=i + 0.6)
+    assert s.estimator_for("p0").seconds(1000, 0) == pytest.approx(1.0)
+    assert s.estimator_for("p1").seconds(1000, 0) == pytest.approx(1.0)
+    # Back in service, p1 is chosen when p0 is busier: 0.5 s queued on p0.
+    s.prefill["p1"].accepting = True
+    s.schedule(req("busy", 500), now=20.0)
+    d = s.schedule(req("next", 500), now=20.0)
+    assert d.prefill_node == "p1" and d.t_prefill == pytest.approx(0.5)
+
+
 def test_a_node_with_a_record_of_small_errors_admits_closer_to_the_slo():
     # TTFT SLO 1 s; before any record the headroom is 10% (admit <= 0.9 s).
     s = make_sched(ttft_slo=1.0, slo_admit_fraction=0.9, ttft_margin_errors=2.0)

@@ -213,8 +213,9 @@ class ClusterView:
             "rejections": dict(sched.rejections),
             "ttft_error_mean_s": sum(errors) / len(errors) if errors else None,
             "prefill_coeffs": getattr(sched.prefill_est, "coeffs", None),
-            "prefill_coeffs_by_node": {n: getattr(e, "coeffs", None)
-                                       for n, e in sched.node_estimators.items()},
+            # What prices each node: its own fit, else (none yet) the cluster-wide one.
+            "prefill_coeffs_by_node": {n: getattr(sched.estimator_for(n), "coeffs", None)
+                                       for n in sched.node_estimators},
         }
 
 

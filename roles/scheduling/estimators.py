@@ -34,6 +34,11 @@ class PrefillEstimator(ABC):
         node's own fit); default: a deep copy."""
         return copy.deepcopy(self)
 
+    def fitted_since_fork(self) -> bool:
+        """It has fitted its own observations since it was forked (a model
+        that does not learn: always), so its figures are its node's own."""
+        return True
+
 
 class PolynomialPrefillEstimator(PrefillEstimator):
     """t = c0 + c_n n + c_n2 n^2 + c_np n p + c_p p, n = new tokens.
@@ -56,6 +61,7 @@ class PolynomialPrefillEstimator(PrefillEstimator):
         self.refit_every = refit_every
         self.samples: deque[tuple[float, float, float]] = deque(maxlen=window)
         self._since_fit = 0
+        self._fits = 0  # refits since this estimator was made or forked
 
     def seconds(self, prompt_tokens: int, prefix_tokens: int) -> float:
         n = max(0, prompt_tokens - prefix_tokens)
@@ -70,6 +76,15 @@ class PolynomialPrefillEstimator(PrefillEstimator):
                 and len(self.samples) >= len(POLY_TERMS):
             self.coeffs = fit_polynomial(list(self.samples))
             self._since_fit = 0
+            self._fits += 1
+
+    def fork(self) -> "PolynomialPrefillEstimator":
+        twin = copy.deepcopy(self)
+        twin._since_fit = twin._fits = 0
+        return twin
+
+    def fitted_since_fork(self) -> bool:
+        return not self.refit_every or self._fits > 0
 
 
 def fit_polynomial(samples: list[tuple[float, float, float]]) -> dict[str, float]:
@@ -212,6 +227,7 @@ class DecodeEstimator:
         self.refit_every, self.prior_weight = refit_every, prior_weight
         self.samples: deque[tuple[float, float, float]] = deque(maxlen=window)
         self._since_fit = 0
+        self._fits = 0  # refits since this estimator was made or forked
         # Measured / modelled step time (EWMA over decode nodes' reports): the
         # shape of the model stays, its level follows the real hardware.
         self.scale = 1.0

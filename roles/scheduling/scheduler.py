@@ -153,7 +153,13 @@ class Scheduler:
         self.node_estimators[group] = estimator
 
     def estimator_for(self, node: str | None) -> PrefillEstimator:
-        return self.node_estimators.get(node, self.prefill_est) if node else self.prefill_est
+        """The estimator that prices ``node``: its own fit once it has one,
+        else the cluster-wide fit.  Until then its own copy would price it
+        at whatever the cluster knew when it joined (at start, the prior):
+        a node priced slower than the rest is not chosen, and so would never
+        gather the samples that correct its price."""
+        own = self.node_estimators.get(node) if node else None
+        return own if own is not None and own.fitted_since_fork() else self.prefill_est
 
     def add_decode_node(self, node: str, page_budget: int, page_tokens: int) -> None:
         self.decode[node] = DecodeNodeState(node, page_budget, page_tokens)
@@ -394,12 +400,13 @@ class Scheduler:
         # fetch or an eviction makes it shorter than planned), not the plan.
         prefix = inf.decision.prefix_tokens if actual_prefix_tokens is None \
             else actual_prefix_tokens
-        est = self.estimator_for(node)
-        est.observe(inf.req.prompt_tokens, prefix, actual_seconds)
-        # A node's own fit also feeds the cluster-wide one (what a new node
-        # starts from); a CPP group's pipeline times are not a node's.
+        own = self.node_estimators.get(node)
+        if own is not None:
+            own.observe(inf.req.prompt_tokens, prefix, actual_seconds)
+        # A node's own fit also feeds the cluster-wide one (what prices a node
+        # without its own fit yet); a CPP group's pipeline times are not a node's.
         group = node in self.prefill and self.prefill[node].group_members
-        if est is not self.prefill_est and not group:
+        if own is None or not group:
             self.prefill_est.observe(inf.req.prompt_tokens, prefix, actual_seconds)
         actual_ttft = now - inf.scheduled_at
         error = inf.decision.predicted_ttft_s - actual_ttft

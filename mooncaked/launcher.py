@@ -511,15 +511,17 @@ def register(app: typer.Typer) -> None:
         cpus_decode: Optional[str] = typer.Option(
             None, "--cpus-decode", help="CPUs for the decode nodes and the conductor, e.g. 6,7."),
         borrow: bool = typer.Option(
-            False, "--borrow/--no-borrow",
-            help="With --placement auto: one more prefill node on the decode CPUs at idle "
-                 "priority (SCHED_IDLE, its autogroup at nice 19), computing in the gaps between "
-                 "decode steps; the kernel preempts it whenever decode or the conductor wants "
-                 "the core. The conductor fits each prefill node's speed on its own prefills. "
-                 "On the 2-core rate sweep it served more requests within the SLOs at 1x-4x "
-                 "(docs/bench.md). Off by default: at idle priority on a busy decode core a "
-                 "killed borrower closed its connections only after the heartbeat timeout, so "
-                 "requests sent to it failed (502) instead of being retried on another node."),
+            True, "--borrow/--no-borrow",
+            help="With --placement auto (the default): one more prefill node on the decode CPUs "
+                 "at idle priority (SCHED_IDLE, its autogroup at nice 19), computing in the gaps "
+                 "between decode steps; the kernel preempts it whenever decode or the conductor "
+                 "wants the core, so token spacing does not grow. The conductor fits each "
+                 "prefill node's speed on its own prefills. On by default: on the 2-core rate "
+                 "sweep it served more requests within the SLOs (docs/bench.md). A borrower "
+                 "killed on a busy core was seen to close its connections only after the "
+                 "heartbeat timeout: its requests then go to another node once membership "
+                 "declares it dead (node.heartbeat_timeout_s). --no-borrow keeps the decode CPUs to decode and "
+                 "the conductor."),
     ) -> None:
         """Run a local cluster: one conductor plus prefill and decode nodes on loopback,
         restarting a node that dies."""

@@ -206,7 +206,6 @@ def test_done_when_prefill_killed_under_mooncaked_up(tmp_path):
         wait_until(lambda: all(out.get("chunks") for out in outcomes), 60,
                    what="every stream under way")
         victim = outcomes[0]["prefill_node"]
-        survivor = "prefill-1" if victim == "prefill-0" else "prefill-0"
         os.kill(node_pid(up, victim), signal.SIGKILL)
         killed_at = time.monotonic()
         # Requests sent right after the kill, before membership can know: they
@@ -232,14 +231,18 @@ def test_done_when_prefill_killed_under_mooncaked_up(tmp_path):
         wait_until(lambda: f"{victim} is back" in err.read_text(), 60, interval=0.2,
                    what=f"{victim} restarted by up")
         back_s = time.monotonic() - killed_at
-        # Served by both once it is back: with the survivor drained, the
-        # restarted node takes the next request.
-        survivor_url = next(c["url"] for c in get_json(url + "/admin/status")[1]["peers"]
-                            if c["node_id"] == survivor)
-        post_json(survivor_url + "/admin/drain", {}, ADMIN)
+        # Served by every node once it is back: with the survivors drained
+        # (two, or three with up's borrowing node), the restarted node takes
+        # the next request.
+        survivors = {c["node_id"]: c["url"] for c in get_json(url + "/admin/status")[1]["peers"]
+                     if c["role"] == "prefill" and c["node_id"] != victim}
+        assert survivors
+        for survivor_url in survivors.values():
+            post_json(survivor_url + "/admin/drain", {}, ADMIN)
         try:
-            wait_until(lambda: get_json(url + "/admin/status")[1]["scheduler"]["prefill"]
-                       [survivor]["accepting"] is False, 10, what="the drain to be seen")
+            wait_until(lambda: not any(get_json(url + "/admin/status")[1]["scheduler"]["prefill"]
+                                       [s]["accepting"] for s in survivors), 10,
+                       what="the drains to be seen")
             prompt = tokens(48, seed=80)
             status, body = complete(url, prompt, max_tokens=5)
             assert status == 200, body
@@ -247,7 +250,8 @@ def test_done_when_prefill_killed_under_mooncaked_up(tmp_path):
             assert trace["prefill_node"] == victim
             assert trace["output_token_ids"] == reference("tiny", prompt, 5)
         finally:
-            post_json(survivor_url + "/admin/undrain", {}, ADMIN)
+            for survivor_url in survivors.values():
+                post_json(survivor_url + "/admin/undrain", {}, ADMIN)
         workers = {p["node_id"]: p["url"] for p in get_json(url + "/admin/status")[1]["peers"]}
         clean_s = wait_nothing_left(workers, 30)
         report("Done-when: kill -9 prefill under `mooncaked up`", streams_ended_after_kill_s=ended_s,

@@ -4,6 +4,7 @@ per-request records; shared hash ids give cached tokens."""
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 
@@ -55,6 +56,10 @@ def test_synthetic_slice_replays_and_report_matches_records(cluster, tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())["summary"]
     records = json.loads((tmp_path / "requests.json").read_text())
     assert (tmp_path / "requests.csv").read_text().count("\n") == 51
+    with (tmp_path / "requests.csv").open() as f:  # the conductor's prediction per request
+        rows = [r for r in csv.DictReader(f) if r["status"] == "ok"]
+    assert rows and all(float(r["predicted_ttft_s"]) > 0 and float(r["server_ttft_s"]) > 0
+                        for r in rows)
     assert (tmp_path / "latency_cdf.png").stat().st_size > 0
     assert len(records) == 50 and summary["sent"] == 50
     # Every request ran to completion (no 429: SLOs are 30 s by default on the cluster).

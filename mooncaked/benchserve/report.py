@@ -145,10 +145,14 @@ def prediction_error(ok: list[RequestResult], ttft_p50_s: Optional[float]) -> di
     return out
 
 
+SERVER_CSV_FIELDS = ("predicted_ttft_s", "server_ttft_s", "predicted_queue_s", "prefill_queue_s",
+                     "predicted_prefill_s")
 CSV_FIELDS = ("index", "trace_index", "status", "http_status", "scheduled_s", "sent_s",
               "send_lag_s", "prompt_tokens", "cached_tokens", "shared_prefix_tokens",
               "max_tokens", "completion_tokens", "ttft_s", "tbt_s", "tpot_s", "e2e_s",
-              "prefill_node", "decode_node", "prefill_compute_s", "error")
+              "prefill_node", "decode_node", "prefill_compute_s",
+              # The conductor's trace: its prediction and what it measured, per part.
+              *SERVER_CSV_FIELDS, "error")
 
 
 def write_csv(path: Path, results: list[RequestResult]) -> None:
@@ -158,6 +162,8 @@ def write_csv(path: Path, results: list[RequestResult]) -> None:
         for r in results:
             row = r.to_json()
             row["prefill_compute_s"] = r.server.get("prefill_compute_s")
+            for k in SERVER_CSV_FIELDS:
+                row[k] = r.server.get("ttft_s" if k == "server_ttft_s" else k)
             w.writerow(["" if row[k] is None else row[k] for k in CSV_FIELDS])
 
 

@@ -482,3 +482,72 @@ def test_of_two_nodes_the_one_whose_predictions_hold_is_chosen_and_admits_more()
     s.on_node_report("p1", NodeReport(at=600.0, queued_prefill_s=0.0), 600.0)
     refused = s.schedule(req("over-both", 990), now=600.0)  # over both limits
     assert isinstance(refused, Rejection) and refused.reason == "ttft_slo"
+
+
+def test_the_borrower_slowdown_fit_learns_a_line_and_starts_at_one():
+    from roles.scheduling.estimators import ContentionFit
+    fit = ContentionFit(prior_weight=0.0)
+    assert fit.factor(0.0) == fit.factor(1.0) == 1.0  # nothing learned: a dedicated core
+    for _ in range(8):  # 0.5x with the decode node idle, 2.5x with it busy throughout
+        fit.observe(0.0, 0.5)
+        fit.observe(1.0, 2.5)
+    assert (fit.a, fit.b) == (pytest.approx(0.5), pytest.approx(2.0))
+    assert fit.factor(0.25) == pytest.approx(1.0)
+    # With a prior of 4 samples at ratio 1 (2 at busy 0, 2 at busy 1): the two
+    # ends are the weighted means (8 x 0.5 + 2 x 1) / 10 and (8 x 2.5 + 2) / 10.
+    pulled = ContentionFit(prior_weight=4.0)
+    for _ in range(8):
+        pulled.observe(0.0, 0.5)
+        pulled.observe(1.0, 2.5)
+    assert pulled.factor(0.0) == pytest.approx(0.6) and pulled.factor(1.0) == pytest.approx(2.2)
+    # One stall 1000x the estimate counts as 20x (RATIO_CLIP), not as 1000x.
+    one = ContentionFit(prior_weight=0.0)
+    one.observe(0.5, 1000.0)
+    assert one.factor(0.5) == pytest.approx(ContentionFit.RATIO_CLIP)
+
+
+def test_a_borrowing_node_is_priced_by_the_predicted_load_of_the_decode_node_it_shares():
+    """p1 borrows d0's CPUs.  d0 runs one sequence with 10 tokens left at 0.1 s
+    a step: busy until 11.0.  A 500-token prompt (0.5 s on a dedicated core)
+    scheduled at 10.75 on idle p1 runs over [10.75, 11.25): 4 of its 8 sample
+    points (10.78, 10.84, 10.91, 10.97) fall before 11.0, so busy = 0.5."""
+    s = make_sched()
+    s.add_prefill_node("p1", shares_cpus_with=("d0",))
+    assert "p1" not in s.node_estimators  # priced by the cluster-wide fit, not its own
+    report_running(s, "d0", 10.0, {"a": RunningSeq(100, 10)}, tbt=0.1)
+    assert s._decode_busy("p1", 10.75, 0.5) == pytest.approx(0.5)
+    assert s._decode_busy("p1", 11.5, 0.5) == 0.0   # the sequence is done by then
+    assert s._decode_busy("p0", 10.75, 0.5) == 0.0  # p0 has CPUs of its own
+    # Learned: 1x idle, 3x busy throughout; with the prior (2 samples at each
+    # end, ratio 1) the ends are 1 and (16 x 3 + 2) / 18.
+    for _ in range(16):
+        s.contention["p1"].observe(0.0, 1.0)
+        s.contention["p1"].observe(1.0, 3.0)
+    f = s.contention["p1"]
+    assert s.node_prefill_s("p1", 500, 0, 10.75) == pytest.approx(0.5 * f.factor(0.5))
+    assert f.factor(0.5) == pytest.approx((1 + 50 / 18) / 2)
+    assert s.node_prefill_s("p1", 500, 0, 11.5) == pytest.approx(0.5 * f.factor(0.0))
+    assert s.node_prefill_s("p0", 500, 0, 10.75) == pytest.approx(0.5)
+
+
+def test_a_borrowers_measured_prefill_teaches_its_slowdown_not_the_cluster_fit():
+    s = Scheduler(SchedulerConfig(policy="mooncake", ttft_slo_s=30.0, tbt_slo_s=1.0,
+                                  kv_bytes_per_token=1000, per_node_prefill_fit=True),
+                  PolynomialPrefillEstimator({"n": 1e-3}, refit_every=1, window=8),
+                  TransferEstimator(1e9), DecodeEstimator(0.02, 0.001, 0.0))
+    s.add_prefill_node("p0")
+    s.add_prefill_node("p1", shares_cpus_with=("d0",))
+    s.add_decode_node("d0", page_budget=10_000, page_tokens=BS)
+    s.prefill["p0"].accepting = False  # every request to the borrower
+    report_running(s, "d0", 0.0, {"a": RunningSeq(100, 1000)}, tbt=0.1)  # busy throughout
+    for i in range(6):
+        d = s.schedule(req(f"r{i}", 500), now=float(i))
+        assert d.prefill_node == "p1"
+        # The decision saw d0 busy over the whole prefill.
+        assert s.inflight[f"r{i}"].decode_busy == 1.0
+        s.on_prefill_finished("p1", f"r{i}", now=i + 0.9, actual_seconds=1.5)  # 3x
+        s.on_decode_finished("d0", f"r{i}", now=i + 0.95)
+    assert s.prefill_est.seconds(1000, 0) == pytest.approx(1.0)  # untouched: 1 ms a token
+    assert s.contention["p1"].factor(1.0) == pytest.approx((6 * 3.0 + 2 * 1.0) / 8)
+    d = s.schedule(req("next", 500), now=10.0)
+    assert d.t_prefill == pytest.approx(0.5 * s.contention["p1"].factor(1.0))

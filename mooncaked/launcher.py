@@ -247,8 +247,7 @@ class LocalCluster:
         return self.placement.of(role, index) if self.placement is not None else None
 
     def _spawn(self, name: str, role: str, extra: list[str], port: int = 0,
-               placed: NodePlacement | None = None, defaults: list[str] = ()) -> Child:
-        """``extra`` goes last (it wins); ``defaults`` before the user's --set (they win)."""
+               placed: NodePlacement | None = None) -> Child:
         assert self.log_dir is not None
         port = port or free_port()
         cmd = ["--role", role, "--host", "127.0.0.1", "--port", str(port), "--node-id", name]
@@ -259,7 +258,7 @@ class LocalCluster:
         # The nodes share this machine's cores: by default each worker gets an
         # equal share of torch threads (an explicit --set comes later and wins).
         threads = placed.threads if placed is not None else self.threads_per_worker()
-        cmd += ["--set", f"model.torch_threads={threads}", *defaults]
+        cmd += ["--set", f"model.torch_threads={threads}"]
         if self.etcd_process is not None:
             cmd += ["--set", f"etcd.endpoints={self.etcd_process.endpoint}"]
         for item in self.overrides:
@@ -298,30 +297,28 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         for child in self.conductor_children:
             self._wait_ready(child, deadline)
-        # (name, role, extra args, placement, defaults the user's --set overrides)
-        worker_roles: list[tuple[str, str, list[str], NodePlacement | None, list[str]]] = []
+        worker_roles: list[tuple[str, str, list[str], NodePlacement | None]] = []
         for i in range(self.prefill):
             worker_roles.append((f"{self.role_of_workers[0]}-{i}", self.role_of_workers[0], [],
-                                 self._placed(PREFILL, i), []))
+                                 self._placed(PREFILL, i)))
         for i in range(self.decode):
-            worker_roles.append((f"decode-{i}", "decode", [], self._placed(DECODE, i), []))
+            worker_roles.append((f"decode-{i}", "decode", [], self._placed(DECODE, i)))
         for stage in range(self.cpp_group):
             worker_roles.append((f"cpp0-s{stage}", "prefill", [
                 "--set", "prefill.cpp_group=cpp0", "--set", f"prefill.cpp_stage={stage}",
                 "--set", f"prefill.cpp_stages={self.cpp_group}"],
-                self._placed(PREFILL, self.prefill + stage), []))
+                self._placed(PREFILL, self.prefill + stage)))
         for b in (self.placement.borrowers if self.placement is not None else ()):
-            # The conductor prices a borrower by the load of the decode nodes it
-            # shares with (--set prefill.shares_cpus_with= turns that off).
+            # The conductor prices a borrower by the load of the decode nodes it shares with.
             hosts = [f"decode-{d.index}" for d in self.placement.nodes
                      if d.role == DECODE and d.cpus & b.cpus]
-            defaults = ["--set", f"prefill.shares_cpus_with={','.join(hosts)}"] if hosts else []
+            extra = ["--set", f"prefill.shares_cpus_with={','.join(hosts)}"] if hosts else []
             worker_roles.append((f"{self.role_of_workers[0]}-{b.index}", self.role_of_workers[0],
-                                 [], b, defaults))
-        for name, role, extra, placed, defaults in worker_roles:
+                                 extra, b))
+        for name, role, extra, placed in worker_roles:
             # With etcd the workers find the leading conductor there.
             self._spawn(name, role, ([] if self.etcd else ["--conductor", self.url]) + extra,
-                        placed=placed, defaults=defaults)
+                        placed=placed)
         for child in self.workers:
             self._wait_ready(child, deadline)
         self._wait_registered(deadline)

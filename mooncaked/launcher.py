@@ -309,12 +309,8 @@ class LocalCluster:
                 "--set", f"prefill.cpp_stages={self.cpp_group}"],
                 self._placed(PREFILL, self.prefill + stage)))
         for b in (self.placement.borrowers if self.placement is not None else ()):
-            # The conductor prices a borrower by the load of the decode nodes it shares with.
-            hosts = [f"decode-{d.index}" for d in self.placement.nodes
-                     if d.role == DECODE and d.cpus & b.cpus]
-            extra = ["--set", f"prefill.shares_cpus_with={','.join(hosts)}"] if hosts else []
             worker_roles.append((f"{self.role_of_workers[0]}-{b.index}", self.role_of_workers[0],
-                                 extra, b))
+                                 [], b))
         for name, role, extra, placed in worker_roles:
             # With etcd the workers find the leading conductor there.
             self._spawn(name, role, ([] if self.etcd else ["--conductor", self.url]) + extra,

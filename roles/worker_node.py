@@ -171,8 +171,6 @@ class WorkerNode:
         if self.cpp:
             ctx.capacity.update({"cpp_group": pf.cpp_group, "cpp_stage": pf.cpp_stage,
                                  "cpp_stages": pf.cpp_stages})
-        if pf.borrowed_from:
-            ctx.capacity["shares_cpus_with"] = list(pf.borrowed_from)
         ctx.status_providers["store"] = lambda: self.shard.stats().to_dict()
         ctx.status_providers["transfer"] = self.engine.stats
         ctx.collection_sizes.append(self._collection_sizes)

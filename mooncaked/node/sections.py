@@ -108,14 +108,6 @@ class PrefillSection:
     cpp_slots: int = 8
     # How long a stage waits for the next chunk from upstream before failing.
     cpp_chunk_timeout_s: float = 60.0
-    # Decode node ids (comma-separated) whose CPUs this node borrows at idle
-    # priority (`up --borrow` sets it): the conductor prices this node's
-    # speed by their predicted load. "" = the node has CPUs of its own.
-    shares_cpus_with: str = ""
-
-    @property
-    def borrowed_from(self) -> tuple[str, ...]:
-        return tuple(n.strip() for n in self.shares_cpus_with.split(",") if n.strip())
 
     def __post_init__(self) -> None:
         if self.max_queue <= 0 or self.batch_tokens <= 0:

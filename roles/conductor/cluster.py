@@ -104,13 +104,7 @@ class ClusterView:
                 self._join_group(record)
                 return
             if record.role in ("prefill", "colocated"):
-                shares = cap.get("shares_cpus_with") or []
-                if not (isinstance(shares, list) and all(isinstance(n, str) for n in shares)):
-                    log.error("node %s: capacity.shares_cpus_with %r is not a list of node ids: "
-                              "priced as a node with its own CPUs", node, shares)
-                    shares = []
-                sched.add_prefill_node(node, cache_capacity_blocks=int(cap.get("pages", 0)),
-                                       shares_cpus_with=tuple(shares))
+                sched.add_prefill_node(node, cache_capacity_blocks=int(cap.get("pages", 0)))
             if record.role in ("decode", "colocated"):
                 sched.add_decode_node(node, page_budget=int(cap.get("pages", 0)),
                                       page_tokens=block_size)
@@ -222,11 +216,6 @@ class ClusterView:
             # What prices each node: its own fit, else (none yet) the cluster-wide one.
             "prefill_coeffs_by_node": {n: getattr(sched.estimator_for(n), "coeffs", None)
                                        for n in sched.node_estimators},
-            # Borrowing nodes: slowdown = a + b x predicted busy share of their hosts.
-            "borrower_slowdown": {n: {"shares_cpus_with": list(sched.borrowed_from[n]),
-                                      "a": round(f.a, 4), "b": round(f.b, 4),
-                                      "samples": len(f.samples)}
-                                  for n, f in sched.contention.items()},
         }
 
 

@@ -156,63 +156,6 @@ class FlopsPrefillEstimator(PrefillEstimator):
         return self.overhead_s + (self.shape.flops(prompt_tokens) - self.shape.flops(p)) / self.rate
 
 
-class ContentionFit:
-    """How much slower than a dedicated core a prefill node computes that
-    borrows another node's CPUs (``up --borrow``: idle priority on the decode
-    cores), as a function of how busy that node will be meanwhile:
-
-        factor(busy) = a + b * busy,   busy in [0, 1]
-
-    ``busy`` is the predicted share of the prefill's duration during which
-    the decode node has a sequence to step (it then takes the core; the
-    borrower gets the gaps), and the factor multiplies the dedicated-core
-    estimate.  Fitted by least squares over the last ``window`` (busy,
-    measured / estimated) pairs, pulled towards (a=1, b=0) with weight
-    ``prior_weight`` samples so that a few samples all at one busy level
-    cannot make the slope up; a >= MIN_A, b >= 0.  A pair's ratio is
-    clipped to [1/RATIO_CLIP, RATIO_CLIP]: one stall must not set the price.
-    """
-
-    MIN_A = 0.05
-    RATIO_CLIP = 20.0
-
-    def __init__(self, window: int = 64, prior_weight: float = 4.0) -> None:
-        if window < 2 or prior_weight < 0:
-            raise ValueError("window must be >= 2 and prior_weight >= 0")
-        self.samples: deque[tuple[float, float]] = deque(maxlen=window)
-        self.prior_weight = prior_weight
-        self.a, self.b = 1.0, 0.0
-
-    def factor(self, busy: float) -> float:
-        return self.a + self.b * min(1.0, max(0.0, busy))
-
-    def observe(self, busy: float, ratio: float) -> None:
-        if not ratio > 0 or not 0.0 <= busy <= 1.0:
-            return
-        ratio = min(self.RATIO_CLIP, max(1.0 / self.RATIO_CLIP, ratio))
-        self.samples.append((busy, ratio))
-        # The prior as half its weight at busy 0 and half at busy 1, ratio 1.
-        w = self.prior_weight / 2
-        xs = [x for x, _ in self.samples] + [0.0, 1.0]
-        ys = [y for _, y in self.samples] + [1.0, 1.0]
-        ws = [1.0] * len(self.samples) + [w, w]
-        sw = sum(ws)
-        if sw <= 0:
-            return
-        mx = sum(wi * x for wi, x in zip(ws, xs)) / sw
-        my = sum(wi * y for wi, y in zip(ws, ys)) / sw
-        sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(ws, xs))
-        sxy = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(ws, xs, ys))
-        b = max(0.0, sxy / sxx) if sxx > 1e-12 else 0.0
-        a = my - b * mx
-        if a < self.MIN_A:
-            # Refit the slope through (0, MIN_A): the factor stays positive.
-            num = sum(wi * x * (y - self.MIN_A) for wi, x, y in zip(ws, xs, ys))
-            den = sum(wi * x * x for wi, x in zip(ws, xs))
-            a, b = self.MIN_A, max(0.0, num / den) if den > 0 else 0.0
-        self.a, self.b = a, b
-
-
 class TransferEstimator:
     """KV transfer time from a source node: queued bytes + bytes / bandwidth.
 

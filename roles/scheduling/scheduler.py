@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from .estimators import ContentionFit, DecodeEstimator, PrefillEstimator, TransferEstimator
+from .estimators import DecodeEstimator, PrefillEstimator, TransferEstimator
 from .index import GlobalCacheIndex
 from .policies import PlanContext, Policy
 from .registry import make_policy
@@ -22,8 +22,6 @@ RECENT_TTFT_ERRORS = 1024
 # Steps counted between two instants are (t1 - t0) / step; this keeps a
 # whole number of steps (2.5 s at 0.1 s) from rounding down to one fewer.
 _STEP_EPS = 1e-9
-# Points at which a borrowing prefill node's host decode load is predicted.
-BUSY_SAMPLES = 8
 # Per-node TTFT errors behind the learned admission headroom: how many
 # finished requests before it replaces slo_admit_fraction, and how many are kept.
 NODE_ERROR_SAMPLES = 16
@@ -104,9 +102,6 @@ class _Inflight:
     req: ScheduleRequest
     scheduled_at: float
     ttft_bias_s: float = 0.0  # included in decision.predicted_ttft_s
-    # A borrowing prefill node's predicted busy share of its host decode
-    # node(s) while it computes this request (ContentionFit's regressor).
-    decode_busy: float = 0.0
 
 
 class Scheduler:
@@ -134,10 +129,6 @@ class Scheduler:
         self.rejections: dict[str, int] = {}
         # Prefill instances with their own estimator (CPP groups).
         self.node_estimators: dict[str, PrefillEstimator] = {}
-        # Prefill nodes computing on decode nodes' CPUs at idle priority:
-        # the decode nodes they share with, and their slowdown's fit.
-        self.borrowed_from: dict[str, tuple[str, ...]] = {}
-        self.contention: dict[str, ContentionFit] = {}
         # Recent absolute TTFT errors per prefill node (ttft_margin_errors).
         self._node_ttft_errors: dict[str, deque[float]] = {}
         # Learned TTFT the estimators miss (SchedulerConfig.ttft_bias_alpha).
@@ -145,24 +136,11 @@ class Scheduler:
         self._ttft_bias_at = 0.0
 
     # ---- membership ---------------------------------------------------
-    def add_prefill_node(self, node: str, cache_capacity_blocks: int = 0,
-                         shares_cpus_with: tuple[str, ...] = ()) -> None:
-        """``shares_cpus_with``: the decode nodes whose CPUs this node borrows
-        at idle priority.  Such a node is priced as a dedicated core (the
-        cluster-wide fit) times a slowdown learned against how busy those
-        decode nodes are predicted to be while it computes (ContentionFit):
-        its speed follows their load, which a fit on its own past prefills
-        would only average over."""
+    def add_prefill_node(self, node: str, cache_capacity_blocks: int = 0) -> None:
         self.prefill[node] = PrefillNodeState(node, cache_capacity_blocks=cache_capacity_blocks)
         self._outstanding.setdefault(node, 0)
-        if shares_cpus_with:
-            self.borrowed_from[node] = tuple(shares_cpus_with)
-            # A node that comes back keeps what it had learned of itself.
-            self.contention.setdefault(node, ContentionFit())
-            return
-        self.borrowed_from.pop(node, None)
-        self.contention.pop(node, None)
         if self.config.per_node_prefill_fit and node not in self.node_estimators:
+            # A node that comes back keeps what it had learned of itself.
             self.node_estimators[node] = self.prefill_est.fork()
 
     def add_prefill_group(self, group: str, members: tuple[str, ...],
@@ -221,36 +199,8 @@ class Scheduler:
             kv_bytes_per_token=self.config.kv_bytes_per_token,
             outstanding=lambda n: self._outstanding.get(n, 0),
             cached_blocks=self.index.blocks_on,
-            node_prefill_s=lambda node, n, p: self.node_prefill_s(node, n, p, now),
+            node_prefill_s=lambda node, n, p: self.estimator_for(node).seconds(n, p),
             transferable=lambda node: not self.prefill[node].group_members)
-
-    def node_prefill_s(self, node: str, prompt_tokens: int, prefix_tokens: int,
-                       now: float) -> float:
-        """Predicted prefill seconds of a request on ``node`` scheduled at ``now``."""
-        seconds = self.estimator_for(node).seconds(prompt_tokens, prefix_tokens)
-        fit = self.contention.get(node)
-        if fit is None:
-            return seconds
-        return seconds * fit.factor(self._decode_busy(node, now, seconds))
-
-    def _decode_busy(self, node: str, now: float, seconds: float) -> float:
-        """The predicted share of [start, start + seconds) during which a
-        decode node that ``node`` borrows from has a sequence to step
-        (``predict_decode_load`` at BUSY_SAMPLES points); ``start`` is when
-        the node's queue would let this request begin."""
-        hosts = [h for h in self.borrowed_from.get(node, ()) if h in self.decode
-                 and self.decode[h].alive]
-        if not hosts:
-            return 0.0
-        start = now + self.prefill[node].queue_time(now)
-        if seconds <= 0:
-            points = [start]
-        else:
-            points = [start + (i + 0.5) * seconds / BUSY_SAMPLES for i in range(BUSY_SAMPLES)]
-        steps = {h: self.step_seconds(h) for h in hosts}
-        busy = sum(1 for t in points
-                   if any(self.predict_decode_load(h, t, steps[h]).batch > 0 for h in hosts))
-        return busy / len(points)
 
     def step_seconds(self, node: str) -> float:
         """The decode node's step time as last measured (its reported TBT),
@@ -393,9 +343,6 @@ class Scheduler:
         if cfg.reject and tbt > cfg.tbt_slo_s * cfg.slo_admit_fraction:
             return self._reject(req, "tbt_slo", ttft, tbt, 1.0)
 
-        # Before the booking below: the load the pricing saw.
-        busy = self._decode_busy(plan.node, now, self.estimator_for(plan.node).seconds(
-            req.prompt_tokens, plan.prefix_tokens)) if plan.node in self.contention else 0.0
         decision = Decision(req.request_id, plan.node, dnode.node_id,
                             req.prefix_tokens(plan.local_prefix_blocks), plan.prefix_tokens,
                             plan.transfer, ttft, tbt, plan.t_queue, plan.t_transfer,
@@ -414,7 +361,7 @@ class Scheduler:
         dnode.free_pages -= pages
         dnode.batch_size += 1
         dnode.context_tokens += tokens
-        self.inflight[req.request_id] = _Inflight(decision, req, now, bias, busy)
+        self.inflight[req.request_id] = _Inflight(decision, req, now, bias)
         return decision
 
     # ---- feedback from execution ----------------------------------------
@@ -454,22 +401,13 @@ class Scheduler:
         prefix = inf.decision.prefix_tokens if actual_prefix_tokens is None \
             else actual_prefix_tokens
         own = self.node_estimators.get(node)
-        contention = self.contention.get(node)
-        if contention is not None:
-            # A borrower's time is the dedicated-core estimate times its
-            # slowdown; it does not feed the cluster-wide fit (its times follow
-            # another node's load, not the model's cost).
-            base = self.prefill_est.seconds(inf.req.prompt_tokens, prefix)
-            if base > 0:
-                contention.observe(inf.decode_busy, actual_seconds / base)
-        else:
-            if own is not None:
-                own.observe(inf.req.prompt_tokens, prefix, actual_seconds)
-            # A node's own fit also feeds the cluster-wide one (what prices a
-            # node without its own fit yet); a CPP group's times are not a node's.
-            group = node in self.prefill and self.prefill[node].group_members
-            if own is None or not group:
-                self.prefill_est.observe(inf.req.prompt_tokens, prefix, actual_seconds)
+        if own is not None:
+            own.observe(inf.req.prompt_tokens, prefix, actual_seconds)
+        # A node's own fit also feeds the cluster-wide one (what prices a node
+        # without its own fit yet); a CPP group's pipeline times are not a node's.
+        group = node in self.prefill and self.prefill[node].group_members
+        if own is None or not group:
+            self.prefill_est.observe(inf.req.prompt_tokens, prefix, actual_seconds)
         actual_ttft = now - inf.scheduled_at
         error = inf.decision.predicted_ttft_s - actual_ttft
         alpha = self.config.ttft_bias_alpha

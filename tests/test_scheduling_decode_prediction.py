@@ -347,15 +347,21 @@ def test_bias_with_a_measured_queue_holds_only_the_unexplained_time():
     assert s.ttft_bias(1.4) == pytest.approx(0.5 * 0.1)
 
 
-def test_each_prefill_node_is_priced_by_its_own_fit():
-    # p1 runs at half p0's speed (a core it borrows): 2 ms a token against 1.
-    s = Scheduler(SchedulerConfig(policy="round_robin", ttft_slo_s=30.0, tbt_slo_s=1.0,
+def two_nodes_fitted_each(policy: str, prior_s_per_token: float) -> Scheduler:
+    """p0 and p1 with a fit each (refitted every 5 samples), one decode node."""
+    s = Scheduler(SchedulerConfig(policy=policy, ttft_slo_s=30.0, tbt_slo_s=1.0,
                                   kv_bytes_per_token=1000, per_node_prefill_fit=True),
-                  PolynomialPrefillEstimator({"n": 1e-3}, refit_every=5, window=5),
+                  PolynomialPrefillEstimator({"n": prior_s_per_token}, refit_every=5, window=5),
                   TransferEstimator(1e9), DecodeEstimator(0.02, 0.001, 0.0))
     s.add_prefill_node("p0")
     s.add_prefill_node("p1")
     s.add_decode_node("d0", page_budget=10_000, page_tokens=BS)
+    return s
+
+
+def test_each_prefill_node_is_priced_by_its_own_fit():
+    # p1 runs at half p0's speed (a core it borrows): 2 ms a token against 1.
+    s = two_nodes_fitted_each("round_robin", prior_s_per_token=1e-3)
     ms_per_token = {"p0": 1e-3, "p1": 2e-3}
     served = {"p0": 0, "p1": 0}
     for i in range(24):
@@ -392,13 +398,7 @@ def test_a_node_without_its_own_fit_is_priced_by_the_cluster_fit_not_its_startin
     it; p1, with no samples of its own, is priced as the cluster now runs
     (it used to keep the 2 ms prior, so least-TTFT never chose it and it
     never gathered the samples that would correct it)."""
-    s = Scheduler(SchedulerConfig(policy="mooncake", ttft_slo_s=30.0, tbt_slo_s=1.0,
-                                  kv_bytes_per_token=1000, per_node_prefill_fit=True),
-                  PolynomialPrefillEstimator({"n": 2e-3}, refit_every=5, window=5),
-                  TransferEstimator(1e9), DecodeEstimator(0.02, 0.001, 0.0))
-    s.add_prefill_node("p0")
-    s.add_prefill_node("p1")
-    s.add_decode_node("d0", page_budget=10_000, page_tokens=BS)
+    s = two_nodes_fitted_each("mooncake", prior_s_per_token=2e-3)
     s.prefill["p1"].accepting = False
     for i in range(10):
         tokens = 200 + 100 * (i % 5)

@@ -96,17 +96,47 @@ def test_flops_estimator_matches_paper_formula():
 
 
 def test_transfer_and_decode_estimators():
-    t = TransferEstimator(1e9, alpha=0.5)
+    t = TransferEstimator(1e9)
     assert t.seconds("a", 2e9, now=0.0) == pytest.approx(2.0)
     assert t.reserve("a", 2e9, now=0.0) == pytest.approx(2.0)
     assert t.seconds("a", 1e9, now=1.0) == pytest.approx(2.0)  # 1 s wait + 1 s
-    t.observe("a", 3e9, 1.0)  # measured 3 GB/s -> EWMA 2 GB/s
-    assert t.bw("a") == pytest.approx(2e9)
+    t.observe("a", 3e9, 1.0)  # faster than the default, one size: bandwidth 3 GB/s, no latency
+    assert (t.bw("a"), t.latency_s("a")) == (pytest.approx(3e9), 0.0)
     d = DecodeEstimator.from_hardware(ModelShape(), hbm_Bps=8 * 2.0e12, efficiency=1.0,
                                       per_seq_s=0.0)
     # weights 141 GB over 16 TB/s ~ 8.8 ms per step
     assert d.seconds(1, 0) == pytest.approx(70.6e9 * 2 / 16e12)
     assert d.seconds(0, 0) == 0.0
+
+
+def test_a_transfers_fixed_cost_is_not_taken_for_low_bandwidth():
+    """Pulls of 1-8 MB, each 10 ms of RPCs and setup plus the bytes at 2 GB/s:
+    the fit finds both, and a 20 MB pull is priced 10 + 10 ms.  (Bandwidth
+    learned as bytes / time priced it at 40 ms: 1 MB in 10.5 ms looks like
+    95 MB/s.)"""
+    t = TransferEstimator(1e9)
+    for mb in (1, 2, 4, 8):
+        t.observe("a", int(mb * 1e6), 0.010 + mb * 1e6 / 2e9)
+    assert t.latency_s("a") == pytest.approx(0.010)
+    assert t.bw("a") == pytest.approx(2e9)
+    assert t.seconds("a", int(20e6), now=0.0) == pytest.approx(0.020)
+    # The NIC is booked for the bytes only: the next pull waits 10 ms, not 20.
+    assert t.reserve("a", int(20e6), now=0.0) == pytest.approx(0.020)
+    assert t.seconds("a", int(2e6), now=0.0) == pytest.approx(0.010 + 0.010 + 0.001)
+
+
+def test_transfers_of_one_size_keep_the_bandwidth_and_learn_the_latency():
+    """Three 1 MB pulls of 10.5 ms: slope and intercept cannot be told apart,
+    so the bandwidth stays the default (1 GB/s) and the latency is the rest
+    (9.5 ms); a 20 MB pull is then 29.5 ms, not 210 ms."""
+    t = TransferEstimator(1e9)
+    for _ in range(3):
+        t.observe("b", int(1e6), 0.0105)
+    assert t.bw("b") == pytest.approx(1e9) and t.latency_s("b") == pytest.approx(0.0095)
+    assert t.seconds("b", int(20e6), now=0.0) == pytest.approx(0.0295)
+    # Noise where a larger pull came out faster keeps the slope too.
+    t.observe("b", int(4e6), 0.009)
+    assert t.bw("b") == pytest.approx(1e9) and t.latency_s("b") == pytest.approx(0.008375)
 
 
 def test_decode_estimator_follows_measured_step_times():

@@ -279,6 +279,29 @@ def test_queue_from_bookings_uses_own_estimates_of_the_named_requests():
     assert plain.prefill["p0"].queue_time(0.5) == pytest.approx(9.0)
 
 
+def test_a_report_taken_before_our_request_finished_is_not_read_as_another_conductors():
+    """a finishes at 1.0; the node's report, taken at 0.9, arrives at 1.05 and
+    still names a beside b, with its own figure of 9 s (a tokens/s rate that
+    short prompts had dragged down).  a is ours and done: the queue is b's
+    0.5 s, not the node's 9 s (which it used to be whenever a report and an
+    answer crossed, the queue over-predicted by up to the figure's excess)."""
+    s = make_sched(queue_from_bookings=True)
+    s.schedule(req("a", 1000), now=0.0)   # 1.0 s
+    s.schedule(req("b", 500), now=0.0)    # 0.5 s, queued behind a
+    s.on_prefill_finished("p0", "a", now=1.0, actual_seconds=1.0)
+    s.on_node_report("p0", NodeReport(at=0.9, queued_prefill_s=9.0,
+                                      prefill_requests=frozenset({"a", "b"}),
+                                      prefill_running_s={"a": 0.9}), 1.05)
+    assert s.prefill["p0"].queue_time(1.05) == pytest.approx(0.5 - 0.15)
+    # Only RECENTLY_DONE_KEPT finished ids are kept per node.
+    from roles.scheduling.scheduler import RECENTLY_DONE_KEPT
+    for i in range(RECENTLY_DONE_KEPT + 5):
+        s.schedule(req(f"r{i}", 10), now=2.0)
+        s.on_prefill_finished("p0", f"r{i}", now=2.0, actual_seconds=0.01)
+    assert len(s.prefill["p0"].recently_done) == RECENTLY_DONE_KEPT
+    assert "a" not in s.prefill["p0"].recently_done
+
+
 def test_a_report_naming_the_running_request_counts_only_what_is_left_of_it():
     s = make_sched(queue_from_bookings=True)
     s.schedule(req("a", 1000), now=0.0)   # 1.0 s

@@ -22,6 +22,8 @@ RECENT_TTFT_ERRORS = 1024
 # Steps counted between two instants are (t1 - t0) / step; this keeps a
 # whole number of steps (2.5 s at 0.1 s) from rounding down to one fewer.
 _STEP_EPS = 1e-9
+# Finished prefills remembered per node, to recognise them in a report taken before.
+RECENTLY_DONE_KEPT = 256
 # Per-node TTFT errors behind the learned admission headroom: how many
 # finished requests before it replaces slo_admit_fraction, and how many are kept.
 NODE_ERROR_SAMPLES = 16
@@ -386,6 +388,10 @@ class Scheduler:
         if node in self.prefill:
             st = self.prefill[node]
             done = st.pending.pop(request_id, None)
+            if done is not None:
+                st.recently_done[request_id] = None
+                while len(st.recently_done) > RECENTLY_DONE_KEPT:
+                    del st.recently_done[next(iter(st.recently_done))]
             if done is not None and done.in_report:
                 # The node moves on to the next named request now: what is
                 # left of the reported work is the rest of the named ones.
@@ -474,7 +480,13 @@ class Scheduler:
             # whole, every report restarted it and a long prefill made the
             # queue look up to its full length too long for its whole run.
             ours = sum(p.remaining_s(report.at) for p in s.pending.values() if p.in_report)
-            if named <= s.pending.keys() or report.queued_prefill_s is None:
+            # Named requests of ours whose answer came after the report was
+            # taken are done, not someone else's: only a request this
+            # scheduler never booked (another conductor's) calls for the
+            # node's own figure, which prices tokens at a rate that short
+            # prompts drag down (a fixed cost per request).
+            foreign = named - s.pending.keys() - s.recently_done.keys()
+            if not foreign or report.queued_prefill_s is None:
                 s.reported_queue_s = ours
             else:
                 s.reported_queue_s = max(ours, report.queued_prefill_s)

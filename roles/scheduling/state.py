@@ -95,6 +95,9 @@ class PrefillNodeState:
     reported_queue_s: float = 0.0
     reported_at: float = 0.0
     pending: dict[str, PendingPrefill] = field(default_factory=dict)
+    # Requests of ours whose prefill finished lately (bounded, oldest first):
+    # a report taken before their answer arrived still names them.
+    recently_done: dict[str, None] = field(default_factory=dict)
     # Seam for Chunked Pipeline Parallelism: a group of nodes acting as one
     # prefill instance. Empty means a single node.
     group_members: tuple[str, ...] = ()

@@ -440,15 +440,17 @@ def test_a_node_without_its_own_fit_is_priced_by_the_cluster_fit_not_its_startin
 
 def test_a_node_with_a_record_of_small_errors_admits_closer_to_the_slo():
     # TTFT SLO 1 s; before any record the headroom is 10% (admit <= 0.9 s).
-    s = make_sched(ttft_slo=1.0, slo_admit_fraction=0.9, ttft_margin_errors=2.0)
-    assert s.ttft_admit_limit("p0") == pytest.approx(0.9)
+    # (No return toward it while idle here: see the test after the next.)
+    s = make_sched(ttft_slo=1.0, slo_admit_fraction=0.9, ttft_margin_errors=2.0,
+                   ttft_margin_half_life_s=1e9)
+    assert s.ttft_admit_limit("p0", 0.0) == pytest.approx(0.9)
     # 16 requests, each predicted 0.1 s (100 tokens at 1 ms) and measured
     # 0.12 s (20 ms off): mean absolute error 0.02, headroom 2 x 0.02 = 0.04.
     for i in range(16):
         s.schedule(req(f"r{i}", 100), now=10.0 * i)
         s.on_prefill_finished("p0", f"r{i}", now=10.0 * i + 0.12, actual_seconds=0.1)
         s.on_decode_finished("d0", f"r{i}", now=10.0 * i + 1.0)
-    assert s.ttft_admit_limit("p0") == pytest.approx(1.0 - 0.04)
+    assert s.ttft_admit_limit("p0", 150.12) == pytest.approx(1.0 - 0.04)
     # A 930-token prompt (0.93 s predicted): refused at 90%, admitted now.
     assert isinstance(s.schedule(req("long", 930), now=500.0), Decision)
     assert isinstance(s.schedule(req("too-long", 970), now=600.0), Rejection)
@@ -458,9 +460,37 @@ def test_a_node_with_a_record_of_small_errors_admits_closer_to_the_slo():
         plain.schedule(req(f"r{i}", 100), now=10.0 * i)
         plain.on_prefill_finished("p0", f"r{i}", now=10.0 * i + 0.12, actual_seconds=0.1)
         plain.on_decode_finished("d0", f"r{i}", now=10.0 * i + 1.0)
-    assert plain.ttft_admit_limit("p0") == pytest.approx(0.9)
+    assert plain.ttft_admit_limit("p0", 150.12) == pytest.approx(0.9)
     with pytest.raises(ValueError, match="ttft_margin_errors"):
         SchedulerConfig(ttft_margin_errors=-1)
+
+
+def test_a_node_whose_record_refuses_everything_admits_again_after_idle_half_lives():
+    """A record bad enough to refuse every request would never be renewed
+    (nothing refused finishes): while the node finishes nothing, its learned
+    headroom returns halfway to the default one every half-life (5 s)."""
+    s = make_sched(ttft_slo=1.0, slo_admit_fraction=0.9, ttft_margin_errors=2.0)
+    # 16 requests predicted 0.1 s, each first token 0.5 s late (a cold
+    # estimator, a burst): mean absolute error 0.5, headroom 1.0, limit 0.
+    for i in range(16):
+        s.schedule(req(f"r{i}", 100), now=10.0 * i)
+        s.on_prefill_finished("p0", f"r{i}", now=10.0 * i + 0.6, actual_seconds=0.1)
+        s.on_decode_finished("d0", f"r{i}", now=10.0 * i + 1.0)
+    last = 150.6
+    assert s.ttft_admit_limit("p0", last) == pytest.approx(0.0)
+    refused = s.schedule(req("at-once", 300), now=last)      # 0.3 s predicted
+    assert isinstance(refused, Rejection) and refused.reason == "ttft_slo"
+    # Two half-lives later: headroom 0.1 + (1.0 - 0.1) / 4 = 0.325, limit 0.675.
+    assert s.ttft_admit_limit("p0", last + 10.0) == pytest.approx(0.675)
+    assert isinstance(s.schedule(req("later", 300), now=last + 10.0), Decision)
+    # Long idle: back to slo_admit_fraction's 0.9 s.
+    assert s.ttft_admit_limit("p0", last + 1000.0) == pytest.approx(0.9)
+    # A finished request renews the record and stops the return: the new
+    # error (0.3 s predicted, 0.3 s measured) joins the 16 of 0.5 s.
+    s.on_prefill_finished("p0", "later", now=last + 10.3, actual_seconds=0.3)
+    assert s.ttft_admit_limit("p0", last + 10.3) == pytest.approx(1.0 - 2 * 0.5 * 16 / 17)
+    with pytest.raises(ValueError, match="ttft_margin_half_life_s"):
+        SchedulerConfig(ttft_margin_half_life_s=0)
 
 
 def test_of_two_nodes_the_one_whose_predictions_hold_is_chosen_and_admits_more():
@@ -471,7 +501,7 @@ def test_of_two_nodes_the_one_whose_predictions_hold_is_chosen_and_admits_more()
     request stays with Algorithm 1's choice."""
     s = Scheduler(SchedulerConfig(policy="mooncake", ttft_slo_s=1.0, tbt_slo_s=1.0,
                                   kv_bytes_per_token=1000, slo_admit_fraction=0.9,
-                                  ttft_margin_errors=2.0),
+                                  ttft_margin_errors=2.0, ttft_margin_half_life_s=1e9),
                   PolynomialPrefillEstimator({"n": 1e-3}), TransferEstimator(1e9),
                   DecodeEstimator(0.02, 0.001, 0.0))
     for node in ("p0", "p1"):
@@ -492,8 +522,8 @@ def test_of_two_nodes_the_one_whose_predictions_hold_is_chosen_and_admits_more()
     for i in range(16):
         record("p0", 0.2, 10.0 * i)
         record("p1", 0.01, 10.0 * i + 5.0)
-    assert s.ttft_admit_limit("p0") == pytest.approx(0.6)
-    assert s.ttft_admit_limit("p1") == pytest.approx(0.98)
+    assert s.ttft_admit_limit("p0", 500.0) == pytest.approx(0.6)
+    assert s.ttft_admit_limit("p1", 500.0) == pytest.approx(0.98)
     for node in ("p0", "p1"):
         s.on_node_report(node, NodeReport(at=500.0, queued_prefill_s=0.0), 500.0)
     d = s.schedule(req("near-the-slo", 800), now=500.0)   # 0.8 s predicted on either

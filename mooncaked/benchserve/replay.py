@@ -33,7 +33,8 @@ STATUSES = ("ok", "rejected", "error", "timeout", "not_sent")
 SERVER_FIELDS = ("prefill_node", "decode_node", "policy", "cached_tokens", "local_hit_tokens",
                  "fetched_tokens", "prefill_queue_s", "prefix_load_s", "prefill_compute_s",
                  "kv_transfer_wait_s", "ttft_s", "e2e_s", "predicted_ttft_s", "predicted_tbt_s",
-                 "tbt_s", "predicted_queue_s", "predicted_prefill_s")
+                 "tbt_s", "predicted_queue_s", "predicted_prefill_s", "schedule_s", "reserve_s",
+                 "first_layer_sent_s", "prefill_rpc_s", "prefill_node_s")
 
 
 @dataclass

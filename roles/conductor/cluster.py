@@ -205,7 +205,7 @@ class ClusterView:
             "indexed_blocks": sum(sched.index.blocks_on(n) for n in sched.prefill),
             "prefill": {n: {"alive": s.alive, "accepting": s.accepting, "queue_s": round(s.queue_time(time.monotonic()), 4),
                             "cached_blocks": sched.index.blocks_on(n),
-                            "ttft_admit_limit_s": round(sched.ttft_admit_limit(n), 4)}
+                            "ttft_admit_limit_s": round(sched.ttft_admit_limit(n, time.monotonic()), 4)}
                         for n, s in sched.prefill.items()},
             "decode": {n: {"alive": d.alive, "accepting": d.accepting, "batch_size": d.batch_size,
                            "free_pages": d.free_pages}

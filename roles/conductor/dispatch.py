@@ -91,6 +91,11 @@ class RequestTrace:
     prefill_compute_s: float = 0.0
     kv_transfer_wait_s: float = 0.0
     first_layer_sent_s: float = 0.0
+    # The prefill call as the conductor timed it (request sent to reply read)
+    # and as the node did (enqueued to reply ready): their difference is the
+    # RPC, the two event loops and the cores they wait for.
+    prefill_rpc_s: float = 0.0
+    prefill_node_s: float = 0.0
     ttft_s: float = 0.0
     decode_s: float = 0.0
     e2e_s: float = 0.0
@@ -314,9 +319,11 @@ class Dispatcher:
                 # prefill finishes (or the node's heartbeat reports its real queue).
                 keepalive = asyncio.ensure_future(self._keep_reserved(decode.url, request_id))
                 try:
+                    t = time.perf_counter()
                     result = await self._call_prefill(
                         prefill.node_id, prefill.url, spec,
                         self.prefill_deadline_s(decision.predicted_ttft_s))
+                    trace.prefill_rpc_s = time.perf_counter() - t
                     break
                 except PrefillRefused as exc:
                     # The node was killed and not yet swept from the cluster:
@@ -445,6 +452,7 @@ class Dispatcher:
         trace.prefill_compute_s = timings.get("compute_s", 0.0)
         trace.kv_transfer_wait_s = timings.get("transfer_wait_s", 0.0)
         trace.first_layer_sent_s = timings.get("first_layer_sent_s", 0.0)
+        trace.prefill_node_s = timings.get("queue_s", 0.0) + timings.get("total_s", 0.0)
         trace.cpp = result.cpp.to_wire() if result.cpp is not None else None
         sched = self.cluster.scheduler
         sched.on_prefill_finished(decision.prefill_node, trace.request_id, time.monotonic(),

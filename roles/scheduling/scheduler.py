@@ -61,6 +61,12 @@ class SchedulerConfig:
     # 20 ms need not refuse what is predicted 100 ms under the SLO, and a
     # noisy one keeps more.
     ttft_margin_errors: float = 0.0
+    # That learned headroom returns halfway to slo_admit_fraction's every
+    # this many seconds in which the node finished nothing.  Without it a node
+    # whose record is bad enough (an estimator still cold, a burst on shared
+    # cores) refuses everything, so it never finishes a request that would
+    # renew its record: it would refuse for ever.
+    ttft_margin_half_life_s: float = 5.0
     # How a prefill report that names its requests sets the queue: False, the
     # node's own seconds figure; True, the sum of this scheduler's estimates
     # of the named requests (fitted on measured prefills, so with a fixed
@@ -85,7 +91,7 @@ class SchedulerConfig:
         if not isinstance(self.policy_params, dict):
             raise ValueError("policy_params must be a dict")
         for f in ("ttft_slo_s", "tbt_slo_s", "min_retry_after_s", "max_retry_after_s",
-                  "ttft_bias_half_life_s"):
+                  "ttft_bias_half_life_s", "ttft_margin_half_life_s"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f} must be > 0")
         if self.kv_bytes_per_token <= 0:
@@ -133,6 +139,7 @@ class Scheduler:
         self.node_estimators: dict[str, PrefillEstimator] = {}
         # Recent absolute TTFT errors per prefill node (ttft_margin_errors).
         self._node_ttft_errors: dict[str, deque[float]] = {}
+        self._node_ttft_error_at: dict[str, float] = {}   # when the newest one came
         # Learned TTFT the estimators miss (SchedulerConfig.ttft_bias_alpha).
         self._ttft_bias_s = 0.0
         self._ttft_bias_at = 0.0
@@ -309,7 +316,7 @@ class Scheduler:
         whenever the SLO is not at stake."""
         first = plan
         nodes = list(ctx.nodes)
-        while plan.ttft + bias > self.ttft_admit_limit(plan.node):
+        while plan.ttft + bias > self.ttft_admit_limit(plan.node, ctx.now):
             nodes.remove(plan.node)
             if not nodes:
                 return first
@@ -339,7 +346,7 @@ class Scheduler:
         dnode, tbt = self.select_decode(req, now, ttft)
         if dnode is None:
             return self._reject(req, "no_decode_capacity", ttft, math.inf, 1.0)
-        ttft_limit = self.ttft_admit_limit(plan.node)
+        ttft_limit = self.ttft_admit_limit(plan.node, now)
         if cfg.reject and ttft > ttft_limit:
             return self._reject(req, "ttft_slo", ttft, tbt, ttft - ttft_limit)
         if cfg.reject and tbt > cfg.tbt_slo_s * cfg.slo_admit_fraction:
@@ -429,19 +436,25 @@ class Scheduler:
             self._ttft_bias_at = now
         self.ttft_errors.append(error)
         self._node_ttft_errors.setdefault(node, deque(maxlen=NODE_ERROR_WINDOW)).append(abs(error))
+        self._node_ttft_error_at[node] = now
         self._ttft_error_count += 1
         self._ttft_error_sum += error
         self._ttft_error_abs_sum += abs(error)
 
-    def ttft_admit_limit(self, node: str) -> float:
-        """The highest predicted TTFT admitted on ``node``: the SLO less its
-        learned headroom (ttft_margin_errors x its recent mean absolute
-        error), else the SLO x slo_admit_fraction."""
+    def ttft_admit_limit(self, node: str, now: float) -> float:
+        """The highest predicted TTFT admitted on ``node`` at ``now``: the SLO
+        less its learned headroom (ttft_margin_errors x its recent mean
+        absolute error), else the SLO x slo_admit_fraction.  The learned
+        headroom moves back toward the default one while the node finishes
+        nothing (ttft_margin_half_life_s)."""
         cfg = self.config
+        default = cfg.ttft_slo_s * (1 - cfg.slo_admit_fraction)
         errors = self._node_ttft_errors.get(node)
         if cfg.ttft_margin_errors <= 0 or errors is None or len(errors) < NODE_ERROR_SAMPLES:
-            return cfg.ttft_slo_s * cfg.slo_admit_fraction
-        margin = cfg.ttft_margin_errors * sum(errors) / len(errors)
+            return cfg.ttft_slo_s - default
+        learned = cfg.ttft_margin_errors * sum(errors) / len(errors)
+        idle = max(0.0, now - self._node_ttft_error_at[node])
+        margin = default + (learned - default) * 0.5 ** (idle / cfg.ttft_margin_half_life_s)
         return max(0.0, cfg.ttft_slo_s - margin)
 
     def ttft_bias(self, now: float) -> float:

@@ -351,8 +351,8 @@ async def test_a_failed_fetch_is_recomputed(open_worker, decode, tiny_weights):
 async def service_on(open_worker):
     made: list[PrefillService] = []
 
-    async def make(worker: WorkerNode, chunk_size: int) -> PrefillService:
-        svc = PrefillService(worker, chunk_size, max_queue=8, fetch_timeout_s=5.0)
+    async def make(worker: WorkerNode, chunk_size: int, **kw) -> PrefillService:
+        svc = PrefillService(worker, chunk_size, max_queue=8, fetch_timeout_s=5.0, **kw)
         svc.start()
         made.append(svc)
         return svc
@@ -384,6 +384,24 @@ async def test_short_prompts_queued_together_share_one_pass(open_worker, decode,
     assert (load["queue_len"], load["queued_tokens"], load["completed"], load["failed"]) == (0, 0, 3, 0)
     assert load["request_ids"] == []
     assert_nothing_held(worker.shard, cached_blocks=1 + 2 + 2)
+
+
+async def test_a_batch_stops_at_its_token_budget(open_worker, decode, service_on, tiny_weights):
+    """Every request of a batch waits for the whole pass: the budget bounds
+    what the head of the queue waits for the requests behind it."""
+    worker = await open_worker()
+    svc = await service_on(worker, chunk_size=64, batch_tokens=64)
+    # 20 + 37 = 57 tokens fit in 64; the third (30) would make 87: it runs next, alone.
+    prompts = {"req-1": tokens(20, seed=3), "req-2": tokens(37, seed=4),
+               "req-3": tokens(30, seed=6)}
+    grants = {rid: decode.reserve(len(p) + GREEDY.max_tokens) for rid, p in prompts.items()}
+    replies = await asyncio.gather(*(svc.submit(spec_for(worker, rid, p, grants[rid]))
+                                     for rid, p in prompts.items()))
+    assert (svc.batches, svc.batched_requests) == (1, 2)
+    for (rid, prompt), reply in zip(prompts.items(), replies):
+        ref = reference(tiny_weights, prompt)
+        assert reply.first_token == ref.token, rid
+        decode.assert_kv_landed(grants[rid], prompt, ref)
 
 
 async def test_a_job_cancelled_mid_compute_frees_everything(open_worker, decode, service_on):

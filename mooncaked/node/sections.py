@@ -91,8 +91,11 @@ class PrefillSection:
     # false = recompute every prompt in full: the "no prefix caching" baseline.
     prefix_cache: bool = True
     # Short queued requests (prompts up to model.prefill_chunk tokens) are
-    # prefilled together, up to this many tokens per forward pass.
-    batch_tokens: int = 4096
+    # prefilled together, up to this many tokens per forward pass.  Each of
+    # them waits for the whole pass, the head of the queue too: at 4096, a
+    # short prompt's first token waited for up to 4k tokens queued behind it,
+    # which no TTFT prediction can see (docs/bench.md, stop 22).
+    batch_tokens: int = 512
     # Largest number of requests waiting in the prefill queue (503 above).
     max_queue: int = 256
     # Give up on a peer prefix fetch after this long and recompute instead.

@@ -44,7 +44,7 @@ class QueueFull(Exception):
 class PrefillService:
     def __init__(self, worker: WorkerNode, chunk_size: int, max_queue: int, fetch_timeout_s: float,
                  prefix_cache: bool = True, cpp_timeout_s: float = 60.0,
-                 batch_tokens: int = 4096) -> None:
+                 batch_tokens: int = 512) -> None:
         self.worker = worker
         self.chunk_size = chunk_size
         self.max_queue = max_queue

@@ -362,19 +362,25 @@ async def service_on(open_worker):
         await svc.close()
 
 
+async def submit_together_and_check(svc, worker, decode, tiny_weights, prompts) -> None:
+    """Queue every prompt before the service takes its next step (one
+    gather), then check each reply and its KV against the reference."""
+    grants = {rid: decode.reserve(len(p) + GREEDY.max_tokens) for rid, p in prompts.items()}
+    replies = await asyncio.gather(*(svc.submit(spec_for(worker, rid, p, grants[rid]))
+                                     for rid, p in prompts.items()))
+    for (rid, prompt), reply in zip(prompts.items(), replies):
+        ref = reference(tiny_weights, prompt)
+        assert reply.first_token == ref.token, rid
+        decode.assert_kv_landed(grants[rid], prompt, ref)
+
+
 async def test_short_prompts_queued_together_share_one_pass(open_worker, decode, service_on,
                                                             tiny_weights):
     worker = await open_worker()
     svc = await service_on(worker, chunk_size=64)
     prompts = {"req-1": tokens(20, seed=3), "req-2": tokens(37, seed=4), "req-3": PROMPT_A}
-    grants = {rid: decode.reserve(len(p) + GREEDY.max_tokens) for rid, p in prompts.items()}
-    replies = await asyncio.gather(*(svc.submit(spec_for(worker, rid, p, grants[rid]))
-                                     for rid, p in prompts.items()))
+    await submit_together_and_check(svc, worker, decode, tiny_weights, prompts)
     assert (svc.batches, svc.batched_requests) == (1, 3)
-    for (rid, prompt), reply in zip(prompts.items(), replies):
-        ref = reference(tiny_weights, prompt)
-        assert reply.first_token == ref.token, rid
-        decode.assert_kv_landed(grants[rid], prompt, ref)
     # The replies go out before the batch's cleanup: give the queue its turn.
     for _ in range(100):
         if not svc.running:
@@ -394,14 +400,8 @@ async def test_a_batch_stops_at_its_token_budget(open_worker, decode, service_on
     # 20 + 37 = 57 tokens fit in 64; the third (30) would make 87: it runs next, alone.
     prompts = {"req-1": tokens(20, seed=3), "req-2": tokens(37, seed=4),
                "req-3": tokens(30, seed=6)}
-    grants = {rid: decode.reserve(len(p) + GREEDY.max_tokens) for rid, p in prompts.items()}
-    replies = await asyncio.gather(*(svc.submit(spec_for(worker, rid, p, grants[rid]))
-                                     for rid, p in prompts.items()))
+    await submit_together_and_check(svc, worker, decode, tiny_weights, prompts)
     assert (svc.batches, svc.batched_requests) == (1, 2)
-    for (rid, prompt), reply in zip(prompts.items(), replies):
-        ref = reference(tiny_weights, prompt)
-        assert reply.first_token == ref.token, rid
-        decode.assert_kv_landed(grants[rid], prompt, ref)
 
 
 async def test_a_job_cancelled_mid_compute_frees_everything(open_worker, decode, service_on):

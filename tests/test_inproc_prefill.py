@@ -404,6 +404,36 @@ async def test_a_batch_stops_at_its_token_budget(open_worker, decode, service_on
     assert (svc.batches, svc.batched_requests) == (1, 2)
 
 
+async def test_a_batched_reply_does_not_wait_for_the_finish_of_the_one_ahead(
+        open_worker, decode, service_on, tiny_weights, monkeypatch):
+    """The first request of a batch is held in its finish (as by slow KV
+    sends): the second's reply still goes out, and the first's follows once
+    it is let go."""
+    worker = await open_worker()
+    svc = await service_on(worker, chunk_size=64)
+    held = asyncio.Event()
+    real_finish = PrefillJob.finish
+
+    async def finish(job, *args):
+        if job.spec.request_id == "req-1":
+            await held.wait()
+        return await real_finish(job, *args)
+
+    monkeypatch.setattr(PrefillJob, "finish", finish)
+    prompts = {"req-1": tokens(20, seed=3), "req-2": tokens(37, seed=4)}
+    grants = {rid: decode.reserve(len(p) + GREEDY.max_tokens) for rid, p in prompts.items()}
+    first, second = (asyncio.ensure_future(svc.submit(spec_for(worker, rid, p, grants[rid])))
+                     for rid, p in prompts.items())
+    # Bounded: without the fix the second waits for the first, which waits for `held`.
+    done, _ = await asyncio.wait({first, second}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+    assert done == {second} and (svc.batches, svc.batched_requests) == (1, 2)
+    held.set()
+    for rid, reply in zip(prompts, await asyncio.gather(first, second)):
+        ref = reference(tiny_weights, prompts[rid])
+        assert reply.first_token == ref.token, rid
+        decode.assert_kv_landed(grants[rid], prompts[rid], ref)
+
+
 async def test_a_job_cancelled_mid_compute_frees_everything(open_worker, decode, service_on):
     """The cancel arrives after the first chunk's layers have gone out: the
     prefix pins, the new pages and the sends in flight are all let go."""

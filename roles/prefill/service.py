@@ -17,6 +17,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from mooncaked.node.messages import PrefillReply, PrefillRequest
 from mooncaked.node.tasks import cancel_and_wait
@@ -232,13 +233,19 @@ class PrefillService:
             self.batches += 1
             self.batched_requests += len(ready)
             tokens = sum(len(job.spec.token_ids) - job.cached for job in jobs)
-            for item, job, logits in zip(ready, jobs, all_logits):
+
+            async def finish(item: _Queued, job: PrefillJob, logits: Any) -> None:
                 try:
                     # Each request is charged its share of the pass.
                     share = compute_s * (len(job.spec.token_ids) - job.cached) / max(1, tokens)
                     self._succeeded(item, await job.finish(logits, t_compute, share))
                 except Exception as exc:  # noqa: BLE001 - this request only
                     self._failed(item, exc)
+
+            # Side by side: each reply goes out once its own KV sends are
+            # done, not after those of the requests ahead of it in the batch.
+            await asyncio.gather(*(finish(item, job, logits)
+                                   for item, job, logits in zip(ready, jobs, all_logits)))
         except asyncio.CancelledError as exc:
             for item in step:
                 self._failed(item, exc)

@@ -309,8 +309,10 @@ class LocalCluster:
                 "--set", f"prefill.cpp_stages={self.cpp_group}"],
                 self._placed(PREFILL, self.prefill + stage)))
         for b in (self.placement.borrowers if self.placement is not None else ()):
+            # It runs on the decode nodes' CPUs (place() gives it their set).
+            decode_ids = ",".join(f"decode-{i}" for i in range(self.decode))
             worker_roles.append((f"{self.role_of_workers[0]}-{b.index}", self.role_of_workers[0],
-                                 [], b))
+                                 ["--set", f"prefill.yields_to={decode_ids}"], b))
         for name, role, extra, placed in worker_roles:
             # With etcd the workers find the leading conductor there.
             self._spawn(name, role, ([] if self.etcd else ["--conductor", self.url]) + extra,

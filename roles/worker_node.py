@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import logging
 import mmap
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, TypeVar
@@ -78,6 +79,8 @@ class WorkerNode:
     act_free: list[int] = dataclasses.field(default_factory=list)
     _resources: contextlib.AsyncExitStack = dataclasses.field(
         default_factory=contextlib.AsyncExitStack, repr=False)
+    # The compute thread's CPU-time clock, known once it has run something.
+    _compute_clock: int | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
     async def open(cls, ctx: NodeContext) -> WorkerNode:
@@ -143,6 +146,7 @@ class WorkerNode:
                          full_layout=full_layout, layout=layout,
                          first_layer=weights.first_layer, end_layer=weights.end_layer,
                          region_id=region_id, cpp=cpp, **activations)
+            await asyncio.get_running_loop().run_in_executor(pool, worker._learn_compute_clock)
             # The first forward pass pays one-off costs (kernel selection, page
             # faults): take them now rather than in the first request's TTFT.
             t_warm = time.perf_counter()
@@ -168,6 +172,9 @@ class WorkerNode:
             "layout": self.layout.to_dict(), "region": self.region_id,
             "layers": [self.first_layer, self.end_layer],
         })
+        yields_to = [n.strip() for n in pf.yields_to.split(",") if n.strip()]
+        if yields_to:
+            ctx.capacity["yields_to"] = yields_to
         if self.cpp:
             ctx.capacity.update({"cpp_group": pf.cpp_group, "cpp_stage": pf.cpp_stage,
                                  "cpp_stages": pf.cpp_stages})
@@ -195,6 +202,21 @@ class WorkerNode:
     async def compute(self, fn: Callable[..., T], *args: Any) -> T:
         """Run model work on the compute thread."""
         return await asyncio.get_running_loop().run_in_executor(self.compute_pool, fn, *args)
+
+    def _learn_compute_clock(self) -> None:
+        self._compute_clock = time.pthread_getcpuclockid(threading.get_ident())
+
+    def compute_cpu_s(self) -> float:
+        """CPU seconds the compute thread has had so far (any thread may ask).
+
+        Differences of it are the work of a compute, whatever else ran on the
+        cores meanwhile: what a node at idle priority on cores other nodes
+        have first call on reports, since its wall times hold their bursts.
+        It counts torch's intra-op threads only when torch runs on the
+        compute thread alone (model.torch_threads = 1, as for such a node)."""
+        if self._compute_clock is None:
+            return 0.0
+        return time.clock_gettime(self._compute_clock)
 
     async def close(self) -> None:
         """Close every part, in reverse order of opening."""

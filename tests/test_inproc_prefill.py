@@ -381,6 +381,7 @@ async def test_short_prompts_queued_together_share_one_pass(open_worker, decode,
     prompts = {"req-1": tokens(20, seed=3), "req-2": tokens(37, seed=4), "req-3": PROMPT_A}
     await submit_together_and_check(svc, worker, decode, tiny_weights, prompts)
     assert (svc.batches, svc.batched_requests) == (1, 3)
+    assert svc.completed == 3
     # The replies go out before the batch's cleanup: give the queue its turn.
     for _ in range(100):
         if not svc.running:
@@ -499,3 +500,23 @@ async def test_the_queue_counts_the_tokens_it_will_compute(open_worker, decode, 
     await svc.close()
     with pytest.raises(PrefillCancelled):
         await submit
+
+
+async def test_a_reply_says_the_cpu_seconds_its_compute_took(open_worker, decode, service_on):
+    """What a node at idle priority is fitted on: the compute thread's CPU
+    time, which on one thread can never exceed the compute's wall time; a
+    batched pass shares it by tokens, like its wall time."""
+    worker = await open_worker()
+    _, _, reply = await prefill(worker, decode, "req-a", PROMPT_A)
+    cpu, wall = reply.timings["compute_cpu_s"], reply.timings["compute_s"]
+    assert 0 < cpu <= wall
+    svc = await service_on(worker, chunk_size=64)
+    prompts = {"req-1": tokens(20, seed=3), "req-2": tokens(40, seed=4)}
+    grants = {rid: decode.reserve(len(p) + GREEDY.max_tokens) for rid, p in prompts.items()}
+    one, two = await asyncio.gather(*(svc.submit(spec_for(worker, rid, p, grants[rid]))
+                                      for rid, p in prompts.items()))
+    assert svc.batches == 1
+    assert 0 < one.timings["compute_cpu_s"] <= one.timings["compute_s"]
+    # Shares by tokens to compute: 20 and 40.
+    assert two.timings["compute_cpu_s"] == pytest.approx(2 * one.timings["compute_cpu_s"], rel=1e-3)
+    assert worker.compute_cpu_s() > 0

@@ -181,6 +181,9 @@ def test_up_brings_a_cluster_up_and_down_without_leftovers(tmp_path):
         borrowers = len(place(os.sched_getaffinity(0), 1, 1, borrow=True).borrowers)
         expected = {"prefill-0", "decode-0"} | ({"prefill-1"} if borrowers else set())
         assert {p["node_id"] for p in status["peers"]} == expected
+        # The borrower says whose cores it borrows; the others borrow none.
+        yields = {n: s["yields_to"] for n, s in status["scheduler"]["prefill"].items()}
+        assert yields == {"prefill-0": [], **({"prefill-1": ["decode-0"]} if borrowers else {})}
         children = _descendants(proc.pid)
         assert len(children) == 1 + len(expected)
         proc.send_signal(signal.SIGINT)

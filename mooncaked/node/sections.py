@@ -75,6 +75,10 @@ class ConductorSection:
     served_model_name: str = ""
     # Optional prefill-time polynomial (output of `mooncaked profile`).
     prefill_profile: str = ""
+    # Price a prefill node that borrows the decode nodes' cores
+    # (prefill.yields_to) by its CPU seconds and their predicted busy time
+    # instead of by its wall times (SchedulerConfig.price_yielded_work).
+    price_borrowed_work: bool = False
 
     def __post_init__(self) -> None:
         if self.ttft_slo_s <= 0 or self.tbt_slo_ms <= 0:
@@ -111,6 +115,11 @@ class PrefillSection:
     cpp_slots: int = 8
     # How long a stage waits for the next chunk from upstream before failing.
     cpp_chunk_timeout_s: float = 60.0
+    # Comma-separated ids of the decode nodes whose cores this node borrows at
+    # idle priority (`mooncaked up --borrow` sets it): it computes only while
+    # they leave a core idle, so the conductor prices its work by their
+    # predicted busy time and fits it on CPU seconds, not wall time.
+    yields_to: str = ""
 
     def __post_init__(self) -> None:
         if self.max_queue <= 0 or self.batch_tokens <= 0:

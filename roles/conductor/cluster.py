@@ -71,7 +71,8 @@ class ClusterView:
                             policy_params=_policy_params(section),
                             ttft_bias_alpha=TTFT_BIAS_ALPHA,
                             slo_admit_fraction=SLO_ADMIT_FRACTION, queue_from_bookings=True,
-                            per_node_prefill_fit=True, ttft_margin_errors=TTFT_MARGIN_ERRORS),
+                            per_node_prefill_fit=True, ttft_margin_errors=TTFT_MARGIN_ERRORS,
+                            price_yielded_work=section.price_borrowed_work),
             PolynomialPrefillEstimator(load_prefill_coeffs(section.prefill_profile), refit_every=8,
                                        window=PREFILL_FIT_WINDOW),
             TransferEstimator(DEFAULT_TRANSFER_BPS),
@@ -104,7 +105,8 @@ class ClusterView:
                 self._join_group(record)
                 return
             if record.role in ("prefill", "colocated"):
-                sched.add_prefill_node(node, cache_capacity_blocks=int(cap.get("pages", 0)))
+                sched.add_prefill_node(node, cache_capacity_blocks=int(cap.get("pages", 0)),
+                                       yields_to=_node_ids(cap.get("yields_to")))
             if record.role in ("decode", "colocated"):
                 sched.add_decode_node(node, page_budget=int(cap.get("pages", 0)),
                                       page_tokens=block_size)
@@ -135,6 +137,7 @@ class ClusterView:
                 free_pages=None, recent_tbt_s=load.get("recent_tbt_s") or None,
                 prefill_requests=_request_ids(load.get("request_ids")),
                 prefill_running_s=_running_s(load.get("running_s")),
+                prefill_worked_s=_running_s(load.get("running_cpu_s")),
                 decode_sequences=_decode_sequences(load.get("sequences")),
                 decode_steps=_decode_steps(load.get("recent_steps"))), time.monotonic())
 
@@ -203,7 +206,9 @@ class ClusterView:
         return {
             "policy": sched.policy.name,
             "indexed_blocks": sum(sched.index.blocks_on(n) for n in sched.prefill),
-            "prefill": {n: {"alive": s.alive, "accepting": s.accepting, "queue_s": round(s.queue_time(time.monotonic()), 4),
+            "prefill": {n: {"alive": s.alive, "accepting": s.accepting,
+                            "queue_s": round(s.queue_time(time.monotonic(), sched.progress_fn(n)), 4),
+                            "yields_to": list(s.yields_to),
                             "cached_blocks": sched.index.blocks_on(n),
                             "ttft_admit_limit_s": round(sched.ttft_admit_limit(n, time.monotonic()), 4)}
                         for n, s in sched.prefill.items()},
@@ -249,9 +254,21 @@ def _request_ids(value: object) -> frozenset[str] | None:
     return frozenset(value)
 
 
+def _node_ids(value: object) -> tuple[str, ...]:
+    """A node's ``yields_to`` capacity: the decode nodes whose cores it
+    borrows; anything but a list of names counts as none (logged)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        log.warning("ignoring a malformed yields_to capacity %r", value)
+        return ()
+    return tuple(value)
+
+
 def _running_s(value: object) -> dict[str, float] | None:
-    """A prefill node's seconds-running per running request, if well formed
-    (finite, >= 0); a malformed figure is dropped, not half-used."""
+    """A prefill node's seconds per running request (running, or CPU spent
+    on it), if well formed (finite, >= 0); a malformed figure is dropped,
+    not half-used."""
     if not isinstance(value, dict):
         return None
     out = {}

@@ -69,6 +69,9 @@ class PrefillJob:
         self.sends: list[asyncio.Task] = []
         self.fetch_pages: list[int] = []      # targets of a peer READ in flight
         self.stream_log: list[tuple[int, int, float]] = []  # (chunk_end, layer, sent_at)
+        # The compute thread's CPU clock when this job's compute began
+        # (WorkerNode.compute_cpu_s); None until then.
+        self.cpu_at_start: float | None = None
 
     # -- step 1 -------------------------------------------------------------
     async def load_prefix(self, result: PrefillReply,
@@ -261,6 +264,7 @@ class PrefillJob:
             await self.prepare()
             hook = self.layer_hook(asyncio.get_running_loop())
             t_compute = time.perf_counter()
+            self.cpu_at_start = self.worker.compute_cpu_s()
             logits = None
             # One compute-thread call per chunk, not one for the whole prompt:
             # the compute thread is FIFO, so a decode step queued on the same
@@ -272,6 +276,7 @@ class PrefillJob:
                 if self.cancelled:
                     raise PrefillCancelled()
                 logits = await self.worker.compute(self._prefill_chunk, start, end, hook)
+            self.result.timings["compute_cpu_s"] = self.worker.compute_cpu_s() - self.cpu_at_start
             return await self.finish(logits, t_compute, time.perf_counter() - t_compute)
         finally:
             await self.cleanup()

@@ -223,6 +223,9 @@ class PrefillService:
                     requests, layer_hook=lambda i, start, end, layer: hooks[i](start, end, layer))
 
             t_compute = time.perf_counter()
+            cpu0 = self.worker.compute_cpu_s()
+            for job in jobs:
+                job.cpu_at_start = cpu0
             try:
                 all_logits = await self.worker.compute(compute)
             except Exception as exc:  # noqa: BLE001 - the whole pass failed
@@ -230,6 +233,7 @@ class PrefillService:
                     self._failed(item, exc)
                 return
             compute_s = time.perf_counter() - t_compute
+            compute_cpu_s = self.worker.compute_cpu_s() - cpu0
             self.batches += 1
             self.batched_requests += len(ready)
             tokens = sum(len(job.spec.token_ids) - job.cached for job in jobs)
@@ -237,8 +241,9 @@ class PrefillService:
             async def finish(item: _Queued, job: PrefillJob, logits: Any) -> None:
                 try:
                     # Each request is charged its share of the pass.
-                    share = compute_s * (len(job.spec.token_ids) - job.cached) / max(1, tokens)
-                    self._succeeded(item, await job.finish(logits, t_compute, share))
+                    part = (len(job.spec.token_ids) - job.cached) / max(1, tokens)
+                    job.result.timings["compute_cpu_s"] = compute_cpu_s * part
+                    self._succeeded(item, await job.finish(logits, t_compute, compute_s * part))
                 except Exception as exc:  # noqa: BLE001 - this request only
                     self._failed(item, exc)
 
@@ -255,6 +260,19 @@ class PrefillService:
                 if isinstance(item.job, PrefillJob):
                     await item.job.cleanup()
 
+    def _running_cpu_s(self) -> dict[str, float]:
+        """CPU seconds of compute spent on each running request (a batched
+        pass: each its share by tokens to compute)."""
+        jobs = [item.job for item in self.running if isinstance(item.job, PrefillJob)
+                and item.job.cpu_at_start is not None]
+        if not jobs:
+            return {}
+        now = self.worker.compute_cpu_s()
+        tokens = [max(1, len(job.spec.token_ids) - job.cached) for job in jobs]
+        total = sum(tokens)
+        return {job.spec.request_id: round(max(0.0, now - job.cpu_at_start) * n / total, 6)
+                for job, n in zip(jobs, tokens)}
+
     def load(self) -> dict:
         now = time.perf_counter()
         return {"queue_len": len(self.queue) + len(self.running),
@@ -270,4 +288,8 @@ class PrefillService:
                 # report naming it must not restart its whole estimate).
                 "running_s": {item.job.spec.request_id: round(now - item.started_at, 6)
                               for item in self.running if item.started_at is not None},
+                # ... and the CPU seconds the compute thread has spent on it:
+                # on cores another role has first call on (prefill.yields_to)
+                # that, not the time, is how far it has got.
+                "running_cpu_s": self._running_cpu_s(),
                 "completed": self.completed, "failed": self.failed}

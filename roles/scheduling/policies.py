@@ -35,7 +35,8 @@ class PlanContext:
                  kv_bytes_per_token: int, outstanding: Callable[[str], int],
                  cached_blocks: Callable[[str], int],
                  node_prefill_s: Callable[[str, int, int], float] | None = None,
-                 transferable: Callable[[str], bool] | None = None) -> None:
+                 transferable: Callable[[str], bool] | None = None,
+                 wall_s: Callable[[str, float, float], float] | None = None) -> None:
         self.req = req
         self.now = now
         self.nodes = nodes
@@ -52,6 +53,11 @@ class PlanContext:
         # A CPP group holds each block's KV spread over its stages by layer:
         # it can neither serve a whole-block pull nor receive one.
         self.transferable = transferable or (lambda node: True)
+        # wall_s(node, start, work): seconds from `start` until `node` has
+        # done `work` seconds of work (queue_time and node_prefill_s are in
+        # work); default: the work itself.  They differ on a node that
+        # yields its cores to others (roles/scheduling/borrowed.py).
+        self.wall_s = wall_s or (lambda node, start, work: work)
 
     def local(self, node: str) -> int:
         return self.matches.get(node, 0)
@@ -62,7 +68,7 @@ class PlanContext:
 
         req = self.req
         local = self.local(node)
-        t_queue = self.queue_time(node)
+        t_queue = self.wall_s(node, self.now, self.queue_time(node))
         transfer = None
         t_transfer = 0.0
         blocks = local
@@ -74,8 +80,9 @@ class PlanContext:
             t_transfer = self.transfer_s(source, nbytes)
             blocks = source_blocks
         prefix = req.prefix_tokens(blocks)
-        t_prefill = self.node_prefill_s(node, req.prompt_tokens, prefix)
-        return PrefillPlan(node, local, prefix, transfer, t_queue, t_transfer, t_prefill)
+        work = self.node_prefill_s(node, req.prompt_tokens, prefix)
+        t_prefill = self.wall_s(node, self.now + t_queue + t_transfer, work)
+        return PrefillPlan(node, local, prefix, transfer, t_queue, t_transfer, t_prefill, work)
 
 
 class Policy(ABC):

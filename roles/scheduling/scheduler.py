@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from . import borrowed
 from .estimators import DecodeEstimator, PrefillEstimator, TransferEstimator
 from .index import GlobalCacheIndex
 from .policies import PlanContext, Policy
@@ -30,6 +31,10 @@ NODE_ERROR_SAMPLES = 16
 NODE_ERROR_WINDOW = 64
 # Rounds of "project the load at this step time, predict the step time".
 DECODE_FIXED_POINT_ROUNDS = 4
+# Requests accepted per decode node over this many seconds give the rate at
+# which requests not accepted yet will keep it busy (borrowed.py).
+ARRIVAL_WINDOW_S = 10.0
+ARRIVALS_KEPT = 512
 
 
 @dataclass
@@ -84,6 +89,15 @@ class SchedulerConfig:
     # they run.  The cluster-wide fit keeps learning from every node and is
     # what a newly joined node starts from.  Off: one fit for all.
     per_node_prefill_fit: bool = False
+    # A prefill node that yields its cores to decode nodes (its yields_to)
+    # is fitted on the CPU seconds it computed and priced by walking their
+    # predicted busy intervals plus the share of time requests not accepted
+    # yet will keep them busy (borrowed.py).  Off: fitted and priced on its
+    # wall times like any node.  Off by default: in stop 23's replays it
+    # priced the borrower right on average but not per request (what it
+    # waits for is mostly decode work of requests that arrive later), and
+    # the mean absolute TTFT error did not fall (docs/bench.md).
+    price_yielded_work: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str) or not self.policy:
@@ -140,13 +154,19 @@ class Scheduler:
         # Recent absolute TTFT errors per prefill node (ttft_margin_errors).
         self._node_ttft_errors: dict[str, deque[float]] = {}
         self._node_ttft_error_at: dict[str, float] = {}   # when the newest one came
+        # Accepted requests per decode node: (when, expected output tokens).
+        self._decode_arrivals: dict[str, deque[tuple[float, int]]] = {}
         # Learned TTFT the estimators miss (SchedulerConfig.ttft_bias_alpha).
         self._ttft_bias_s = 0.0
         self._ttft_bias_at = 0.0
 
     # ---- membership ---------------------------------------------------
-    def add_prefill_node(self, node: str, cache_capacity_blocks: int = 0) -> None:
-        self.prefill[node] = PrefillNodeState(node, cache_capacity_blocks=cache_capacity_blocks)
+    def add_prefill_node(self, node: str, cache_capacity_blocks: int = 0,
+                         yields_to: tuple[str, ...] = ()) -> None:
+        """``yields_to``: decode nodes whose cores it borrows at idle
+        priority (it computes only while they leave one idle)."""
+        self.prefill[node] = PrefillNodeState(node, cache_capacity_blocks=cache_capacity_blocks,
+                                              yields_to=tuple(yields_to))
         self._outstanding.setdefault(node, 0)
         if self.config.per_node_prefill_fit and node not in self.node_estimators:
             # A node that comes back keeps what it had learned of itself.
@@ -200,16 +220,97 @@ class Scheduler:
         alive = {n for n, s in self.prefill.items() if s.alive}
         matches = {n: b for n, b in self.index.longest_prefix_per_node(req.block_keys).items()
                    if n in alive}
+        busy: dict[str, list[borrowed.Interval]] = {}
+
+        def busy_of(node: str) -> list[borrowed.Interval]:
+            if node not in busy:
+                busy[node] = self.yielded_busy(node)
+            return busy[node]
+
+        def wall_s(node: str, start: float, work: float) -> float:
+            if not self.yields(node):
+                return work
+            return borrowed.wall_for(busy_of(node), start, work, after=now,
+                                     idle_rate=self.yielded_idle_rate(node, now))
+
         return PlanContext(
             req, now, nodes, matches,
-            queue_time=lambda n: self.prefill[n].queue_time(now),
+            queue_time=lambda n: self.prefill[n].queue_time(now, self.progress_fn(n, busy_of(n))),
             prefill_s=self.prefill_est.seconds,
             transfer_s=lambda src, nbytes: self.transfer_est.seconds(src, nbytes, now),
             kv_bytes_per_token=self.config.kv_bytes_per_token,
             outstanding=lambda n: self._outstanding.get(n, 0),
             cached_blocks=self.index.blocks_on,
             node_prefill_s=lambda node, n, p: self.estimator_for(node).seconds(n, p),
-            transferable=lambda node: not self.prefill[node].group_members)
+            transferable=lambda node: not self.prefill[node].group_members,
+            wall_s=wall_s)
+
+    # ---- prefill nodes that yield their cores -----------------------------
+    def decode_busy(self, node: str) -> list[borrowed.Interval]:
+        """When decode node ``node`` is predicted to be computing: each
+        sequence it reported from the report on for its remaining tokens,
+        each booked one from its join for its decode steps, at its step
+        time.  (A decode node with sequences steps back to back.)"""
+        d = self.decode[node]
+        step = self.step_seconds(node)
+        running = d.running or {}
+        spans = [(d.running_at, d.running_at + seq.remaining_tokens * step)
+                 for seq in running.values()]
+        for rid, b in d.booked.items():
+            if rid in running:
+                continue
+            join = max(b.join_at, d.running_at) if d.running is not None else b.join_at
+            spans.append((join, join + max(0, b.output_tokens - 1) * step))
+        return borrowed.merge(spans)
+
+    def yields(self, node: str) -> bool:
+        """``node`` is priced as yielding its cores (price_yielded_work)."""
+        return self.config.price_yielded_work and bool(self.prefill[node].yields_to)
+
+    def yielded_busy(self, node: str) -> list[borrowed.Interval]:
+        """When prefill node ``node`` cannot compute: every live decode node
+        it yields to is busy (with one idle, it runs there).  Empty for a
+        node that yields to none."""
+        out: list[borrowed.Interval] | None = None
+        for d in self.prefill[node].yields_to:
+            if d not in self.decode or not self.decode[d].alive:
+                continue
+            spans = self.decode_busy(d)
+            out = spans if out is None else borrowed.intersect(out, spans)
+        return out or []
+
+    def arrival_idle_share(self, node: str, now: float) -> float:
+        """The share of time after ``now`` that requests not accepted yet
+        leave decode node ``node`` idle: from the rate accepted over the
+        last ARRIVAL_WINDOW_S and their decode steps at its step time."""
+        arrivals = self._decode_arrivals.get(node)
+        if not arrivals:
+            return 1.0
+        while arrivals and arrivals[0][0] < now - ARRIVAL_WINDOW_S:
+            arrivals.popleft()
+        if not arrivals:
+            return 1.0
+        steps = sum(max(0, out - 1) for _, out in arrivals) / len(arrivals)
+        return borrowed.idle_share_of_arrivals(len(arrivals) / ARRIVAL_WINDOW_S,
+                                               steps * self.step_seconds(node))
+
+    def yielded_idle_rate(self, node: str, now: float) -> float:
+        """The share of the time after ``now`` that prefill node ``node``
+        gets in the gaps of its decode nodes' known busy intervals: with any
+        of them idle it runs."""
+        all_busy, known = 1.0, False
+        for d in self.prefill[node].yields_to:
+            if d in self.decode and self.decode[d].alive:
+                all_busy *= 1.0 - self.arrival_idle_share(d, now)
+                known = True
+        return 1.0 - all_busy if known else 1.0
+
+    def progress_fn(self, node: str, busy: list[borrowed.Interval] | None = None):
+        """Work ``node`` does between two instants (see PrefillNodeState.queue_time)."""
+        if not self.yields(node):
+            return lambda start, end: max(0.0, end - start)
+        spans = self.yielded_busy(node) if busy is None else busy
+        return lambda start, end: borrowed.progress(spans, start, end)
 
     def step_seconds(self, node: str) -> float:
         """The decode node's step time as last measured (its reported TBT),
@@ -357,8 +458,9 @@ class Scheduler:
                             plan.transfer, ttft, tbt, plan.t_queue, plan.t_transfer,
                             plan.t_prefill, self.policy.name)
         # Book the work so the next decision sees it before any heartbeat.
+        work = plan.t_prefill if plan.prefill_work_s is None else plan.prefill_work_s
         self.prefill[plan.node].pending[req.request_id] = PendingPrefill(
-            plan.t_prefill, now, expected_start=now + plan.t_queue)
+            work, now, expected_start=now + plan.t_queue)
         self._outstanding[plan.node] = self._outstanding.get(plan.node, 0) + 1
         if plan.transfer is not None:
             self.transfer_est.reserve(plan.transfer.source, plan.transfer.bytes, now)
@@ -368,6 +470,8 @@ class Scheduler:
         dnode.booked[req.request_id] = BookedJoin(now + ttft, req.prompt_tokens,
                                                   req.expected_output_tokens)
         dnode.free_pages -= pages
+        arrivals = self._decode_arrivals.setdefault(dnode.node_id, deque(maxlen=ARRIVALS_KEPT))
+        arrivals.append((now, req.expected_output_tokens))
         dnode.batch_size += 1
         dnode.context_tokens += tokens
         self.inflight[req.request_id] = _Inflight(decision, req, now, bias)
@@ -382,12 +486,17 @@ class Scheduler:
     def on_prefill_finished(self, node: str, request_id: str, now: float,
                             actual_seconds: float,
                             actual_prefix_tokens: int | None = None,
-                            actual_queue_s: float | None = None) -> None:
+                            actual_queue_s: float | None = None,
+                            actual_work_s: float | None = None) -> None:
         """Prefill done (first token out): refit and record the TTFT error.
 
         `actual_queue_s`, when the node measured it, is the time the request
         waited in the node's queue: the learned TTFT bias then holds only what
         neither the queue nor the prefill explains (RPCs, the reservation).
+
+        `actual_work_s`, the CPU seconds its compute took: what a node that
+        yields its cores (``yields_to``) is fitted on, since its wall time
+        holds whatever the decode nodes ran meanwhile.
 
         `actual_seconds <= 0` means "no measurement" (cancelled or failed
         prefill): the booking is released but nothing is learned from it.
@@ -402,8 +511,9 @@ class Scheduler:
             if done is not None and done.in_report:
                 # The node moves on to the next named request now: what is
                 # left of the reported work is the rest of the named ones.
-                st.reported_queue_s = sum(p.remaining_s(now) for p in st.pending.values()
-                                          if p.in_report)
+                progress = self.progress_fn(node)
+                st.reported_queue_s = sum(p.remaining_s(now, progress=progress)
+                                          for p in st.pending.values() if p.in_report)
                 st.reported_at = now
         self._outstanding[node] = max(0, self._outstanding.get(node, 0) - 1)
         inf = self.inflight.get(request_id)
@@ -413,14 +523,18 @@ class Scheduler:
         # fetch or an eviction makes it shorter than planned), not the plan.
         prefix = inf.decision.prefix_tokens if actual_prefix_tokens is None \
             else actual_prefix_tokens
+        fitted = actual_seconds
+        if node in self.prefill and self.yields(node) and actual_work_s is not None \
+                and actual_work_s > 0:
+            fitted = actual_work_s
         own = self.node_estimators.get(node)
         if own is not None:
-            own.observe(inf.req.prompt_tokens, prefix, actual_seconds)
+            own.observe(inf.req.prompt_tokens, prefix, fitted)
         # A node's own fit also feeds the cluster-wide one (what prices a node
         # without its own fit yet); a CPP group's pipeline times are not a node's.
         group = node in self.prefill and self.prefill[node].group_members
         if own is None or not group:
-            self.prefill_est.observe(inf.req.prompt_tokens, prefix, actual_seconds)
+            self.prefill_est.observe(inf.req.prompt_tokens, prefix, fitted)
         actual_ttft = now - inf.scheduled_at
         error = inf.decision.predicted_ttft_s - actual_ttft
         alpha = self.config.ttft_bias_alpha
@@ -485,9 +599,14 @@ class Scheduler:
             s = self.prefill[node]
             named = report.prefill_requests
             running = report.prefill_running_s or {}
+            worked = (report.prefill_worked_s or {}) if self.yields(node) else {}
             for rid, p in s.pending.items():
                 p.in_report = rid in named
-                if rid in running:
+                if rid in worked:
+                    # It has done this much of its work; what it does from
+                    # here depends on when the decode nodes let it run.
+                    p.started_at, p.worked_before_s = report.at, max(0.0, worked[rid])
+                elif rid in running:
                     p.started_at = report.at - max(0.0, running[rid])
             # A running request counts what is left of its estimate: counted
             # whole, every report restarted it and a long prefill made the

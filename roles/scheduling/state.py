@@ -7,7 +7,15 @@ simulated clock in the simulator); the core never reads a clock itself.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple
+
+# Work a prefill node does between two instants: `end - start` on cores of
+# its own; less where it yields its cores to others (borrowed.progress).
+Progress = Callable[[float, float], float]
+
+
+def _wall(start: float, end: float) -> float:
+    return max(0.0, end - start)
 
 
 @dataclass(frozen=True)
@@ -63,17 +71,21 @@ class PendingPrefill:
     # work booked before it is done); None: unknown (counted whole until a
     # report says it runs).
     expected_start: float | None = None
+    # Work the node said it had done on it by `started_at` (a node that
+    # yields its cores reports CPU seconds, not time since it started).
+    worked_before_s: float = 0.0
 
-    def remaining_s(self, now: float, use_expected_start: bool = False) -> float:
-        """Its estimate less the time it has run: since the node said it
+    def remaining_s(self, now: float, use_expected_start: bool = False,
+                    progress: Progress = _wall) -> float:
+        """Its estimate less the work done on it: since the node said it
         started, or (``use_expected_start``, for work no report covers yet)
         since it was expected to start; all of it before that."""
         start = self.started_at
         if start is None and use_expected_start:
             start = self.expected_start
         if start is None or now <= start:
-            return self.estimate_s
-        return max(0.0, self.estimate_s - (now - start))
+            return max(0.0, self.estimate_s - self.worked_before_s)
+        return max(0.0, self.estimate_s - self.worked_before_s - progress(start, now))
 
 
 @dataclass
@@ -101,16 +113,22 @@ class PrefillNodeState:
     # Seam for Chunked Pipeline Parallelism: a group of nodes acting as one
     # prefill instance. Empty means a single node.
     group_members: tuple[str, ...] = ()
+    # Decode nodes whose cores this node borrows at idle priority: it
+    # computes only while they leave a core idle (roles/scheduling/borrowed.py).
+    # Its estimates, queue and reports are then in work seconds.
+    yields_to: tuple[str, ...] = ()
 
-    def queue_time(self, now: float) -> float:
-        backlog = max(0.0, self.reported_queue_s - (now - self.reported_at))
+    def queue_time(self, now: float, progress: Progress = _wall) -> float:
+        """Seconds of work queued at ``now``; ``progress`` is how much of it
+        the node gets through between two instants."""
+        backlog = max(0.0, self.reported_queue_s - progress(self.reported_at, now))
         for p in self.pending.values():
             # Named by the report: in reported_queue_s, which decays as a
             # whole.  Not yet: it runs from its expected start on (counted
             # whole until the next report, a request sent to an idle node
             # made the queue look its full length for up to a heartbeat).
             if not p.in_report:
-                backlog += p.remaining_s(now, use_expected_start=True)
+                backlog += p.remaining_s(now, use_expected_start=True, progress=progress)
         return backlog
 
 
@@ -219,6 +237,9 @@ class NodeReport(NamedTuple):
     # Prefill node: seconds each request it is computing has been running at
     # `at`, by request id (a subset of prefill_requests); None: not said.
     prefill_running_s: dict[str, float] | None = None
+    # Prefill node: CPU seconds its compute thread has spent on each of
+    # them by `at` (what a node that yields its cores has done of its work).
+    prefill_worked_s: dict[str, float] | None = None
     # Decode node: its sequences (running or queued to join the batch) by
     # request id, and recent measured steps; None when the node does not say.
     decode_sequences: dict[str, RunningSeq] | None = None
@@ -245,6 +266,9 @@ class PrefillPlan(NamedTuple):
     t_queue: float
     t_transfer: float
     t_prefill: float
+    # The prefill's work in the node's estimator's seconds, what its queue
+    # counts; None: t_prefill (they differ on a node that yields its cores).
+    prefill_work_s: float | None = None
 
     @property
     def ttft(self) -> float:

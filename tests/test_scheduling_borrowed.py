@@ -1,0 +1,117 @@
+"""A prefill node that yields its cores to decode nodes (roles/scheduling/borrowed.py
+and the Scheduler's price_yielded_work), with hand-computed expectations."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from roles.scheduling import borrowed
+from roles.scheduling.estimators import (DecodeEstimator, PolynomialPrefillEstimator,
+                                         TransferEstimator)
+from roles.scheduling.scheduler import ARRIVAL_WINDOW_S, Scheduler, SchedulerConfig
+from roles.scheduling.state import NodeReport, RunningSeq, ScheduleRequest
+
+
+def test_busy_sets_merge_and_intersect():
+    assert borrowed.merge([(3, 4), (0, 1), (0.5, 2), (5, 5)]) == [(0, 2), (3, 4)]
+    assert borrowed.intersect([(0, 2), (3, 6)], [(1, 4), (5, 7)]) == [(1, 2), (3, 4), (5, 6)]
+    assert borrowed.busy_within([(0, 2), (3, 4)], 1, 3.5) == pytest.approx(1.5)
+
+
+def test_work_runs_in_the_gaps():
+    busy = [(1.0, 2.0), (3.0, 4.0)]
+    # 0.5 s of work from 0: done before the first busy stretch.
+    assert borrowed.wall_for(busy, 0.0, 0.5) == pytest.approx(0.5)
+    # 1.5 s: 1 s before it, 0.5 s after it.
+    assert borrowed.wall_for(busy, 0.0, 1.5) == pytest.approx(2.5)
+    # Starting inside a busy stretch: waits for its end.
+    assert borrowed.wall_for(busy, 1.5, 1.2) == pytest.approx(0.5 + 1.0 + 1.0 + 0.2)
+    assert borrowed.wall_for([], 7.0, 0.3) == pytest.approx(0.3)
+    assert borrowed.progress(busy, 0.0, 3.5) == pytest.approx(2.0)
+    assert borrowed.progress(busy, 0.0, 4.5) == pytest.approx(2.5)
+    assert borrowed.progress(busy, 2.0, 1.0) == 0.0
+
+
+def test_after_a_point_the_gaps_pass_at_the_idle_rate():
+    busy = [(1.0, 2.0)]
+    # From 0.5 on, gaps give half their time: 0.5 + (0.5 x 0.5) by 1.0, then
+    # 0.25 s left at half rate after the busy stretch: 0.5 s more.
+    assert borrowed.wall_for(busy, 0.0, 1.0, after=0.5, idle_rate=0.5) == pytest.approx(2.5)
+    assert borrowed.progress(busy, 0.0, 2.5, after=0.5, idle_rate=0.5) == pytest.approx(1.0)
+    assert borrowed.idle_share_of_arrivals(2.0, 0.5) == pytest.approx(math.exp(-1.0))
+    assert borrowed.idle_share_of_arrivals(0.0, 0.5) == 1.0
+
+
+def scheduler(price: bool) -> Scheduler:
+    cfg = SchedulerConfig(policy="mooncake", ttft_slo_s=10.0, tbt_slo_s=1.0,
+                          price_yielded_work=price, per_node_prefill_fit=True)
+    # 0.05 s per prefill whatever the prompt, refitted after every sample.
+    s = Scheduler(cfg, PolynomialPrefillEstimator({"c0": 0.05}, refit_every=1, window=8),
+                  TransferEstimator(1e9), DecodeEstimator(0.01, 0.0, 0.0))
+    s.add_decode_node("d0", page_budget=1000, page_tokens=16)
+    s.add_prefill_node("b", yields_to=("d0",))
+    # d0 decodes one sequence with 20 tokens left at 10 ms a step: busy [0, 0.2].
+    s.on_node_report("d0", NodeReport(at=0.0, recent_tbt_s=0.01,
+                                      decode_sequences={"x": RunningSeq(100, 20)}), 0.0)
+    return s
+
+
+def request(rid: str) -> ScheduleRequest:
+    return ScheduleRequest(rid, (1,), prompt_tokens=8, block_size=16, expected_output_tokens=1)
+
+
+def test_a_yielding_node_is_priced_after_the_decode_nodes_busy_time():
+    s = scheduler(price=True)
+    assert s.decode_busy("d0") == [(0.0, pytest.approx(0.2))]
+    d = s.schedule(request("r1"), now=0.0)
+    # 0.2 s of decode first, then its 0.05 s of work.
+    assert d.prefill_node == "b"
+    assert d.t_prefill == pytest.approx(0.25)
+    # Its queue holds the work, not the wall time: the next one waits for
+    # r1's 0.05 s of work, which ends at 0.25, then does its own.
+    assert s.prefill["b"].pending["r1"].estimate_s == pytest.approx(0.05)
+    d2 = s.schedule(request("r2"), now=0.0)
+    assert d2.t_queue + d2.t_prefill == pytest.approx(0.30)
+    # Off, the node is priced as any other: 0.05 s, no queue wait but r1's.
+    plain = scheduler(price=False)
+    assert plain.schedule(request("r1"), now=0.0).t_prefill == pytest.approx(0.05)
+
+
+def test_a_yielding_node_is_fitted_on_its_cpu_seconds():
+    for price, fitted in ((True, 0.02), (False, 0.3)):
+        s = scheduler(price)
+        for i in range(5):  # the fit needs a sample per term
+            s.schedule(request(f"r{i}"), now=0.0)
+            s.on_prefill_finished("b", f"r{i}", 0.3, actual_seconds=0.3, actual_work_s=0.02)
+        assert s.node_estimators["b"].seconds(8, 0) == pytest.approx(fitted)
+
+
+def test_work_the_node_reports_done_is_taken_off_its_queue():
+    s = scheduler(price=True)
+    s.config.queue_from_bookings = True
+    s.schedule(request("r1"), now=0.0)
+    # At 0.1 (decode busy until 0.2) the node says it spent 0.01 s on r1.
+    s.on_node_report("b", NodeReport(at=0.1, queued_prefill_s=0.05, prefill_requests=frozenset({"r1"}),
+                                     prefill_running_s={"r1": 0.1},
+                                     prefill_worked_s={"r1": 0.01}), 0.1)
+    progress = s.progress_fn("b")
+    # 0.04 s left at 0.1; by 0.25 it has had 0.05 s of idle core (0.2-0.25).
+    assert s.prefill["b"].queue_time(0.1, progress) == pytest.approx(0.04)
+    assert s.prefill["b"].queue_time(0.22, progress) == pytest.approx(0.02)
+
+
+def test_requests_accepted_lately_stand_for_those_still_to_come():
+    s = scheduler(price=True)
+    for i in range(5):
+        s.schedule(ScheduleRequest(f"r{i}", (1,), 8, 16, expected_output_tokens=11), now=0.0)
+    # 5 in the window: 0.5 req/s, 10 decode steps of 10 ms each: e^(-0.05).
+    rate = 5 / ARRIVAL_WINDOW_S
+    assert s.arrival_idle_share("d0", 0.0) == pytest.approx(math.exp(-rate * 0.1))
+    assert s.yielded_idle_rate("b", 0.0) == pytest.approx(math.exp(-rate * 0.1))
+    # They leave the window: nothing more is expected.
+    assert s.arrival_idle_share("d0", ARRIVAL_WINDOW_S + 1) == 1.0
+    # A node yielding to no live decode node runs at full rate.
+    s.mark_dead("d0")
+    assert s.yielded_idle_rate("b", 0.0) == 1.0

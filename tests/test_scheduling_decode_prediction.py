@@ -5,6 +5,7 @@ estimator is 1 ms per computed token, so a request's predicted TTFT (and
 hence when it joins its decode node) is its prompt length in ms.
 """
 import math
+from collections import deque
 
 import pytest
 
@@ -249,6 +250,27 @@ def test_bias_leaves_the_prefill_error_to_the_prefill_fit():
     # refit learns the 0.7 s; only the 0.3 s outside the prefill is bias.
     s.on_prefill_finished("p0", "a", now=1.5, actual_seconds=1.2)
     assert s.ttft_bias(1.5) == pytest.approx(0.5 * 0.3)
+
+
+def test_each_prefill_node_learns_its_own_bias():
+    # load_balance sends each request to the node with the shorter queue.
+    s = make_sched(ttft_bias_alpha=0.5)
+    s.add_prefill_node("p1")
+    s.schedule(req("a", 500), now=0.0)                # p0, predicted 0.5 s
+    s.on_prefill_finished("p0", "a", now=1.5, actual_seconds=0.5)   # 1.0 s missed
+    s.on_decode_finished("d0", "a", 1.5)
+    # p1 has no record yet: it gets the bias over all nodes.
+    assert s.ttft_bias(1.5, "p1") == s.ttft_bias(1.5) == pytest.approx(0.5)
+    s.schedule(req("b", 500), now=1.5)
+    s.on_prefill_finished("p0", "b", now=2.0, actual_seconds=0.5)   # on time: missed 0
+    s.on_decode_finished("d0", "b", 2.0)
+    # p0's own: 0.5 halved (its sample missed nothing), decayed 0.5 s at 10 s half-life.
+    assert s.ttft_bias(2.0, "p0") == pytest.approx(0.5 * 0.5 * 0.5 ** 0.05)
+    # ... and its prediction carries its own bias, not another node's.
+    s._node_ttft_bias["p1"] = (0.3, 2.0)
+    d = s.schedule(req("c", 500), now=2.0)
+    assert d.predicted_ttft_s == pytest.approx(0.5 + s.ttft_bias(2.0, d.prefill_node))
+    assert s.ttft_bias(2.0, "p1") == pytest.approx(0.3)
 
 
 def test_queue_from_bookings_uses_own_estimates_of_the_named_requests():
@@ -535,3 +557,26 @@ def test_of_two_nodes_the_one_whose_predictions_hold_is_chosen_and_admits_more()
     s.on_node_report("p1", NodeReport(at=600.0, queued_prefill_s=0.0), 600.0)
     refused = s.schedule(req("over-both", 990), now=600.0)  # over both limits
     assert isinstance(refused, Rejection) and refused.reason == "ttft_slo"
+
+
+def test_with_an_error_margin_the_node_whose_predictions_hold_is_chosen():
+    def two_nodes(margin):
+        s = Scheduler(SchedulerConfig(policy="mooncake", ttft_slo_s=30.0, tbt_slo_s=1.0,
+                                      choose_error_margin=margin),
+                      PolynomialPrefillEstimator({"n": 1e-3}), TransferEstimator(1e9),
+                      DecodeEstimator(0.02, 0.001, 0.0))
+        s.add_prefill_node("p0")
+        s.add_prefill_node("p1")
+        s.add_decode_node("d0", page_budget=10_000, page_tokens=BS)
+        # p0's predictions were 0.2 s off, p1's exact; p1 has 0.1 s queued.
+        s._node_ttft_errors["p0"] = deque([0.2] * 16)
+        s._node_ttft_errors["p1"] = deque([0.0] * 16)
+        s.prefill["p1"].reported_queue_s, s.prefill["p1"].reported_at = 0.1, 0.0
+        return s
+    # By predicted TTFT: p0 (0.5 s) beats p1 (0.1 + 0.5 s).
+    assert two_nodes(0.0).schedule(req("a", 500), now=0.0).prefill_node == "p0"
+    # With the margin: p0 costs 0.5 + 0.2, p1 0.6 + 0: p1, predicted 0.6 s.
+    d = two_nodes(1.0).schedule(req("a", 500), now=0.0)
+    assert (d.prefill_node, d.predicted_ttft_s) == ("p1", pytest.approx(0.6))
+    with pytest.raises(ValueError):
+        SchedulerConfig(choose_error_margin=-1.0)

@@ -79,10 +79,16 @@ class ConductorSection:
     # (prefill.yields_to) by its CPU seconds and their predicted busy time
     # instead of by its wall times (SchedulerConfig.price_yielded_work).
     price_borrowed_work: bool = False
+    # Choose the prefill node by predicted TTFT + its learned bias + this many
+    # times its recent mean absolute TTFT error (0: by predicted TTFT alone,
+    # Algorithm 1 as the paper states it).
+    choose_error_margin: float = 0.0
 
     def __post_init__(self) -> None:
         if self.ttft_slo_s <= 0 or self.tbt_slo_ms <= 0:
             raise ValueError("conductor.ttft_slo_s and conductor.tbt_slo_ms must be positive")
+        if self.choose_error_margin < 0:
+            raise ValueError("conductor.choose_error_margin must be >= 0")
         if self.kvcache_balancing_threshold < 1.0:
             raise ValueError("conductor.kvcache_balancing_threshold must be >= 1.0")
         if self.max_prompt_tokens <= 0 or self.max_request_bytes <= 0 or self.max_tokens_default <= 0:

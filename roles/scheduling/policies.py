@@ -36,7 +36,8 @@ class PlanContext:
                  cached_blocks: Callable[[str], int],
                  node_prefill_s: Callable[[str, int, int], float] | None = None,
                  transferable: Callable[[str], bool] | None = None,
-                 wall_s: Callable[[str, float, float], float] | None = None) -> None:
+                 wall_s: Callable[[str, float, float], float] | None = None,
+                 extra_s: Callable[[str], float] | None = None) -> None:
         self.req = req
         self.now = now
         self.nodes = nodes
@@ -58,6 +59,14 @@ class PlanContext:
         # work); default: the work itself.  They differ on a node that
         # yields its cores to others (roles/scheduling/borrowed.py).
         self.wall_s = wall_s or (lambda node, start, work: work)
+        # What choosing `node` costs beyond its plan's TTFT (the scheduler's
+        # learned per-node bias and error margin); default nothing.
+        self.extra_s = extra_s or (lambda node: 0.0)
+
+    def cost(self, plan: PrefillPlan) -> float:
+        """What a policy that minimises TTFT compares: the plan's TTFT plus
+        the chosen node's extra (``extra_s``)."""
+        return plan.ttft + self.extra_s(plan.node)
 
     def local(self, node: str) -> int:
         return self.matches.get(node, 0)
@@ -130,7 +139,7 @@ class LocalCacheAwarePolicy(Policy):
     name = "local_cache_aware"
 
     def choose(self, ctx: PlanContext) -> PrefillPlan:
-        return min((ctx.plan(n) for n in ctx.nodes), key=lambda p: p.ttft)
+        return min((ctx.plan(n) for n in ctx.nodes), key=ctx.cost)
 
 
 class MooncakePolicy(Policy):
@@ -166,7 +175,7 @@ class MooncakePolicy(Policy):
                 plan = ctx.plan(node, source, best_len)
             else:
                 plan = ctx.plan(node)
-            if best is None or plan.ttft < best.ttft:
+            if best is None or ctx.cost(plan) < ctx.cost(best):
                 best = plan
         assert best is not None
         return best

@@ -98,6 +98,13 @@ class SchedulerConfig:
     # waits for is mostly decode work of requests that arrive later), and
     # the mean absolute TTFT error did not fall (docs/bench.md).
     price_yielded_work: bool = False
+    # > 0: policies that minimise TTFT choose by each node's predicted TTFT
+    # plus its learned bias plus this many times its recent mean absolute
+    # TTFT error (once it has NODE_ERROR_SAMPLES): between two nodes
+    # predicted alike, the one whose predictions hold wins (a borrower,
+    # whose TTFT hangs on decode work still to arrive, only when it is
+    # clearly ahead).  0: by the predicted TTFT alone, as in Algorithm 1.
+    choose_error_margin: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str) or not self.policy:
@@ -116,6 +123,8 @@ class SchedulerConfig:
             raise ValueError("slo_admit_fraction must be in (0, 1]")
         if self.ttft_margin_errors < 0:
             raise ValueError("ttft_margin_errors must be >= 0")
+        if self.choose_error_margin < 0:
+            raise ValueError("choose_error_margin must be >= 0")
 
 
 @dataclass
@@ -156,9 +165,12 @@ class Scheduler:
         self._node_ttft_error_at: dict[str, float] = {}   # when the newest one came
         # Accepted requests per decode node: (when, expected output tokens).
         self._decode_arrivals: dict[str, deque[tuple[float, int]]] = {}
-        # Learned TTFT the estimators miss (SchedulerConfig.ttft_bias_alpha).
+        # Learned TTFT the estimators miss (SchedulerConfig.ttft_bias_alpha):
+        # over every node (what a node without a record of its own gets), and
+        # per prefill node, (value, when last updated).
         self._ttft_bias_s = 0.0
         self._ttft_bias_at = 0.0
+        self._node_ttft_bias: dict[str, tuple[float, float]] = {}
 
     # ---- membership ---------------------------------------------------
     def add_prefill_node(self, node: str, cache_capacity_blocks: int = 0,
@@ -243,7 +255,10 @@ class Scheduler:
             cached_blocks=self.index.blocks_on,
             node_prefill_s=lambda node, n, p: self.estimator_for(node).seconds(n, p),
             transferable=lambda node: not self.prefill[node].group_members,
-            wall_s=wall_s)
+            wall_s=wall_s,
+            extra_s=(lambda node: self.ttft_bias(now, node) + self.config.choose_error_margin
+                     * self.node_mean_abs_error(node)) if self.config.choose_error_margin > 0
+            else None)
 
     # ---- prefill nodes that yield their cores -----------------------------
     def decode_busy(self, node: str) -> list[borrowed.Interval]:
@@ -407,7 +422,7 @@ class Scheduler:
                 best, best_tbt = d, tbt
         return best, best_tbt
 
-    def _admissible_plan(self, ctx: PlanContext, plan: PrefillPlan, bias: float) -> PrefillPlan:
+    def _admissible_plan(self, ctx: PlanContext, plan: PrefillPlan) -> PrefillPlan:
         """With TTFT limits learned per node (ttft_margin_errors), the
         policy's choice may exceed its own node's limit while the next best
         node, whose predictions hold better, admits the same request: the
@@ -417,7 +432,8 @@ class Scheduler:
         whenever the SLO is not at stake."""
         first = plan
         nodes = list(ctx.nodes)
-        while plan.ttft + bias > self.ttft_admit_limit(plan.node, ctx.now):
+        while plan.ttft + self.ttft_bias(ctx.now, plan.node) \
+                > self.ttft_admit_limit(plan.node, ctx.now):
             nodes.remove(plan.node)
             if not nodes:
                 return first
@@ -438,11 +454,12 @@ class Scheduler:
         if ctx is None:
             return self._reject(req, "no_prefill_node", math.inf, math.inf, 1.0)
         plan = self.policy.choose(ctx)
-        # The bias is the same for every node: it moves the prediction, not the choice.
-        bias = self.ttft_bias(now)
+        # The bias moves the chosen node's prediction, not the choice (which
+        # stays Algorithm 1's queue + transfer + prefill).
         cfg = self.config
         if cfg.reject and cfg.ttft_margin_errors > 0:
-            plan = self._admissible_plan(ctx, plan, bias)
+            plan = self._admissible_plan(ctx, plan)
+        bias = self.ttft_bias(now, plan.node)
         ttft = plan.ttft + bias
         dnode, tbt = self.select_decode(req, now, ttft)
         if dnode is None:
@@ -546,6 +563,12 @@ class Scheduler:
             d = inf.decision
             queue = d.t_queue if actual_queue_s is None else actual_queue_s
             missed = actual_ttft - actual_seconds - queue - d.t_transfer
+            # Per node too: what one node's replies wait for (a borrower's
+            # event loop behind decode bursts) is not another's.  (Its old
+            # value is read first: without a record of its own it is the
+            # bias over all nodes as it was before this sample.)
+            self._node_ttft_bias[node] = (
+                max(0.0, (1 - alpha) * self.ttft_bias(now, node) + alpha * missed), now)
             self._ttft_bias_s = max(0.0, (1 - alpha) * self.ttft_bias(now) + alpha * missed)
             self._ttft_bias_at = now
         self.ttft_errors.append(error)
@@ -554,6 +577,14 @@ class Scheduler:
         self._ttft_error_count += 1
         self._ttft_error_sum += error
         self._ttft_error_abs_sum += abs(error)
+
+    def node_mean_abs_error(self, node: str) -> float:
+        """The node's recent mean absolute TTFT error; 0 until it has
+        NODE_ERROR_SAMPLES finished requests."""
+        errors = self._node_ttft_errors.get(node)
+        if errors is None or len(errors) < NODE_ERROR_SAMPLES:
+            return 0.0
+        return sum(errors) / len(errors)
 
     def ttft_admit_limit(self, node: str, now: float) -> float:
         """The highest predicted TTFT admitted on ``node`` at ``now``: the SLO
@@ -571,10 +602,13 @@ class Scheduler:
         margin = default + (learned - default) * 0.5 ** (idle / cfg.ttft_margin_half_life_s)
         return max(0.0, cfg.ttft_slo_s - margin)
 
-    def ttft_bias(self, now: float) -> float:
-        """The learned TTFT bias at `now` (0 unless ttft_bias_alpha > 0)."""
-        age = max(0.0, now - self._ttft_bias_at)
-        return self._ttft_bias_s * 0.5 ** (age / self.config.ttft_bias_half_life_s)
+    def ttft_bias(self, now: float, node: str | None = None) -> float:
+        """The learned TTFT bias at `now` (0 unless ttft_bias_alpha > 0): of
+        prefill node ``node`` once it has finished a request, else over all."""
+        value, at = self._node_ttft_bias.get(node, (self._ttft_bias_s, self._ttft_bias_at)) \
+            if node is not None else (self._ttft_bias_s, self._ttft_bias_at)
+        age = max(0.0, now - at)
+        return value * 0.5 ** (age / self.config.ttft_bias_half_life_s)
 
     def on_transfer_finished(self, source: str, nbytes: int, seconds: float) -> None:
         self.transfer_est.observe(source, nbytes, seconds)

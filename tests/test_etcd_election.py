@@ -159,6 +159,30 @@ async def test_etcd_down_then_back(etcd):
     await a.close()
 
 
+async def test_a_new_connection_does_not_inherit_a_failed_ones_backoff(etcd):
+    """A channel whose close timed out under load stays open, retrying a
+    dead etcd with a growing backoff.  gRPC shares subchannels by target
+    process-wide, so the connection made after the failure inherited that
+    backoff and refused calls ("failed to connect to all addresses") for
+    seconds after etcd was back (a conductor stayed etcd_unreachable for
+    over 20 s in a CI run).  Each connection has subchannels of its own."""
+    old = EtcdStore(section(etcd))
+    await old.put(b"k", b"v")
+    stuck = old._connection()  # never closed
+    etcd.kill()
+    deadline = time.monotonic() + 12
+    while time.monotonic() < deadline:  # bounded: about 12 s of failing calls
+        with pytest.raises(Exception):
+            async with asyncio.timeout(1.0):
+                await stuck.get(b"k")
+        await asyncio.sleep(0.2)
+    etcd.start()
+    fresh = EtcdStore(EtcdSection(endpoints=[etcd.endpoint], request_timeout_s=5.0))
+    assert await fresh.get(b"k") == b"v"  # the first call, not a retry
+    await fresh.close()
+    await old.close()
+
+
 async def test_a_leader_stuck_on_an_etcd_that_does_not_answer_stops_leading_after_a_ttl(etcd):
     """etcd stopped (SIGSTOP: connections open, no answers) and calls allowed
     30 s: the round hangs in the renewal, yet the claim ends a TTL after the

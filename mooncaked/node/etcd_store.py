@@ -115,10 +115,15 @@ class EtcdStore:
     def _connection(self) -> Any:
         if self._client is None:
             host, _, port = self.endpoint.rpartition(":")
-            # Keepalive pings notice a dead etcd on an idle watch stream.
+            # Keepalive pings notice a dead etcd on an idle watch stream.  A
+            # channel of its own subchannels: by default gRPC shares them
+            # process-wide by target, so the channel made after a failure
+            # inherited the failed one's reconnect backoff (growing to tens
+            # of seconds while etcd was down) and kept refusing calls with
+            # "failed to connect to all addresses" well after etcd was back.
             self._client = self._aetcd.Client(host=host, port=int(port), options={
                 "grpc.keepalive_time_ms": 2000, "grpc.keepalive_timeout_ms": 1000,
-                "grpc.keepalive_permit_without_calls": 1})
+                "grpc.keepalive_permit_without_calls": 1, "grpc.use_local_subchannel_pool": 1})
         return self._client
 
     async def _drop_connection(self) -> None:

@@ -458,12 +458,11 @@ class Dispatcher:
         trace.prefill_node_s = timings.get("queue_s", 0.0) + timings.get("total_s", 0.0)
         trace.cpp = result.cpp.to_wire() if result.cpp is not None else None
         sched = self.cluster.scheduler
-        work = timings.get("compute_cpu_s")
-        trace.prefill_compute_cpu_s = work if isinstance(work, (int, float)) else 0.0
+        work = timings.get("compute_cpu_s")  # absent from a node that does not say
+        trace.prefill_compute_cpu_s = work or 0.0
         sched.on_prefill_finished(decision.prefill_node, trace.request_id, time.monotonic(),
                                   trace.prefill_compute_s, actual_prefix_tokens=trace.cached_tokens,
-                                  actual_queue_s=trace.prefill_queue_s,
-                                  actual_work_s=work if isinstance(work, (int, float)) else None)
+                                  actual_queue_s=trace.prefill_queue_s, actual_work_s=work)
         if source is not None and trace.fetched_tokens and trace.prefix_load_s > 0:
             nbytes = trace.fetched_tokens * sched.config.kv_bytes_per_token
             sched.on_transfer_finished(source.node_id, nbytes, trace.prefix_load_s)

@@ -168,6 +168,7 @@ class MooncakePolicy(Policy):
             holders = [n for n, b in ctx.matches.items() if b == best_len and ctx.transferable(n)]
             source = min(holders, key=lambda n: ctx.transfer_s(n, 0)) if holders else None
         best: PrefillPlan | None = None
+        best_cost = math.inf
         for node in ctx.nodes:
             local = ctx.local(node)
             ratio = math.inf if local == 0 else best_len / local
@@ -175,8 +176,9 @@ class MooncakePolicy(Policy):
                 plan = ctx.plan(node, source, best_len)
             else:
                 plan = ctx.plan(node)
-            if best is None or ctx.cost(plan) < ctx.cost(best):
-                best = plan
+            cost = ctx.cost(plan)
+            if best is None or cost < best_cost:
+                best, best_cost = plan, cost
         assert best is not None
         return best
 

@@ -16,7 +16,8 @@ from .index import GlobalCacheIndex
 from .policies import PlanContext, Policy
 from .registry import make_policy
 from .state import (BookedJoin, Decision, DecodeLoad, DecodeNodeState, NodeReport,
-                    PendingPrefill, PrefillNodeState, PrefillPlan, Rejection, ScheduleRequest)
+                    PendingPrefill, PrefillNodeState, PrefillPlan, Progress, Rejection,
+                    ScheduleRequest, wall_progress)
 
 # Recent TTFT prediction errors kept for status pages (totals are running sums).
 RECENT_TTFT_ERRORS = 1024
@@ -235,8 +236,9 @@ class Scheduler:
         busy: dict[str, list[borrowed.Interval]] = {}
 
         def busy_of(node: str) -> list[borrowed.Interval]:
+            # Worked out once per decision, and only for a node priced as yielding.
             if node not in busy:
-                busy[node] = self.yielded_busy(node)
+                busy[node] = self.yielded_busy(node) if self.yields(node) else []
             return busy[node]
 
         def wall_s(node: str, start: float, work: float) -> float:
@@ -320,10 +322,10 @@ class Scheduler:
                 known = True
         return 1.0 - all_busy if known else 1.0
 
-    def progress_fn(self, node: str, busy: list[borrowed.Interval] | None = None):
+    def progress_fn(self, node: str, busy: list[borrowed.Interval] | None = None) -> Progress:
         """Work ``node`` does between two instants (see PrefillNodeState.queue_time)."""
         if not self.yields(node):
-            return lambda start, end: max(0.0, end - start)
+            return wall_progress
         spans = self.yielded_busy(node) if busy is None else busy
         return lambda start, end: borrowed.progress(spans, start, end)
 
@@ -487,8 +489,10 @@ class Scheduler:
         dnode.booked[req.request_id] = BookedJoin(now + ttft, req.prompt_tokens,
                                                   req.expected_output_tokens)
         dnode.free_pages -= pages
-        arrivals = self._decode_arrivals.setdefault(dnode.node_id, deque(maxlen=ARRIVALS_KEPT))
-        arrivals.append((now, req.expected_output_tokens))
+        if cfg.price_yielded_work:  # only what prices a yielding node reads them
+            arrivals = self._decode_arrivals.setdefault(dnode.node_id,
+                                                        deque(maxlen=ARRIVALS_KEPT))
+            arrivals.append((now, req.expected_output_tokens))
         dnode.batch_size += 1
         dnode.context_tokens += tokens
         self.inflight[req.request_id] = _Inflight(decision, req, now, bias)

@@ -14,7 +14,8 @@ from typing import Callable, NamedTuple
 Progress = Callable[[float, float], float]
 
 
-def _wall(start: float, end: float) -> float:
+def wall_progress(start: float, end: float) -> float:
+    """The Progress of a node on cores of its own: the time between."""
     return max(0.0, end - start)
 
 
@@ -76,7 +77,7 @@ class PendingPrefill:
     worked_before_s: float = 0.0
 
     def remaining_s(self, now: float, use_expected_start: bool = False,
-                    progress: Progress = _wall) -> float:
+                    progress: Progress = wall_progress) -> float:
         """Its estimate less the work done on it: since the node said it
         started, or (``use_expected_start``, for work no report covers yet)
         since it was expected to start; all of it before that."""
@@ -118,7 +119,7 @@ class PrefillNodeState:
     # Its estimates, queue and reports are then in work seconds.
     yields_to: tuple[str, ...] = ()
 
-    def queue_time(self, now: float, progress: Progress = _wall) -> float:
+    def queue_time(self, now: float, progress: Progress = wall_progress) -> float:
         """Seconds of work queued at ``now``; ``progress`` is how much of it
         the node gets through between two instants."""
         backlog = max(0.0, self.reported_queue_s - progress(self.reported_at, now))

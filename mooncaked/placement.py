@@ -225,5 +225,7 @@ def place(cpus: Iterable[int], prefill: int, decode: int,
     if borrow and split:
         nodes.append(NodePlacement(PREFILL, prefill, d_set, 1, idle_priority=True))
         notes.append(f"prefill-{prefill} borrows the decode CPUs at idle priority: it computes "
-                     "only when decode and the conductor leave a core idle")
+                     "only when decode and the conductor leave a core idle, and takes only "
+                     "requests the other prefill nodes cannot serve within the TTFT SLO "
+                     "(conductor.borrowed_prefill)")
     return Placement(tuple(nodes), split=split, notes=tuple(notes))

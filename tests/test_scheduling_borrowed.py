@@ -115,3 +115,32 @@ def test_requests_accepted_lately_stand_for_those_still_to_come():
     # A node yielding to no live decode node runs at full rate.
     s.mark_dead("d0")
     assert s.yielded_idle_rate("b", 0.0) == 1.0
+
+
+def overflow_scheduler(overflow_only: bool) -> Scheduler:
+    # TTFT SLO 0.12 s, 0.05 s a prefill: a node admits two queued requests.
+    cfg = SchedulerConfig(policy="mooncake", ttft_slo_s=0.12, tbt_slo_s=1.0,
+                          per_node_prefill_fit=True, yielding_overflow_only=overflow_only)
+    s = Scheduler(cfg, PolynomialPrefillEstimator({"c0": 0.05}, refit_every=1, window=8),
+                  TransferEstimator(1e9), DecodeEstimator(0.01, 0.0, 0.0))
+    s.add_decode_node("d0", page_budget=1000, page_tokens=16)
+    s.add_prefill_node("a")
+    s.add_prefill_node("b", yields_to=("d0",))
+    return s
+
+
+def test_a_yielding_node_takes_only_what_the_others_cannot_admit():
+    s = overflow_scheduler(overflow_only=True)
+    chosen = [s.schedule(request(f"r{i}"), now=0.0) for i in range(5)]
+    # r1 on a (0.05 s); r2 on a too (0.10 s, within 0.12) although b is idle;
+    # r3 would wait 0.10 s on a (0.15 s): b takes it, then r4 (0.10 s on b).
+    assert [getattr(d, "prefill_node", None) for d in chosen[:4]] == ["a", "a", "b", "b"]
+    assert chosen[1].predicted_ttft_s == pytest.approx(0.10)
+    assert chosen[3].predicted_ttft_s == pytest.approx(0.10)
+    # r5: 0.15 s on either: refused, priced as the node with cores of its own.
+    assert chosen[4].reason == "ttft_slo"
+    assert chosen[4].predicted_ttft_s == pytest.approx(0.15)
+    # Chosen like any node, Algorithm 1 puts r2 on the idle borrower.
+    plain = overflow_scheduler(overflow_only=False)
+    first = plain.schedule(request("r1"), now=0.0).prefill_node
+    assert plain.schedule(request("r2"), now=0.0).prefill_node != first

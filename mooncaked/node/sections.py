@@ -56,6 +56,9 @@ class NodeSection:
             raise ValueError(f"node.log_level must be debug|info|warning|error; got {self.log_level!r}")
 
 
+BORROWED_PREFILL_USES = ("overflow", "always")
+
+
 @dataclass
 class ConductorSection:
     """The global scheduler and the OpenAI-compatible front end."""
@@ -83,8 +86,17 @@ class ConductorSection:
     # times its recent mean absolute TTFT error (0: by predicted TTFT alone,
     # Algorithm 1 as the paper states it).
     choose_error_margin: float = 0.0
+    # What a prefill node that borrows the decode nodes' cores
+    # (prefill.yields_to) is given: "overflow", only a request that no node
+    # with cores of its own admits within the TTFT SLO (its speed hangs on
+    # decode work still to come, so its predictions hold worst); "always",
+    # chosen by predicted TTFT like any node.
+    borrowed_prefill: str = "overflow"
 
     def __post_init__(self) -> None:
+        if self.borrowed_prefill not in BORROWED_PREFILL_USES:
+            raise ValueError(f"conductor.borrowed_prefill must be one of "
+                             f"{', '.join(BORROWED_PREFILL_USES)}; got {self.borrowed_prefill!r}")
         if self.ttft_slo_s <= 0 or self.tbt_slo_ms <= 0:
             raise ValueError("conductor.ttft_slo_s and conductor.tbt_slo_ms must be positive")
         if self.choose_error_margin < 0:

@@ -73,7 +73,8 @@ class ClusterView:
                             slo_admit_fraction=SLO_ADMIT_FRACTION, queue_from_bookings=True,
                             per_node_prefill_fit=True, ttft_margin_errors=TTFT_MARGIN_ERRORS,
                             price_yielded_work=section.price_borrowed_work,
-                            choose_error_margin=section.choose_error_margin),
+                            choose_error_margin=section.choose_error_margin,
+                            yielding_overflow_only=section.borrowed_prefill == "overflow"),
             PolynomialPrefillEstimator(load_prefill_coeffs(section.prefill_profile), refit_every=8,
                                        window=PREFILL_FIT_WINDOW),
             TransferEstimator(DEFAULT_TRANSFER_BPS),
@@ -210,6 +211,8 @@ class ClusterView:
             "prefill": {n: {"alive": s.alive, "accepting": s.accepting,
                             "queue_s": round(s.queue_time(time.monotonic(), sched.progress_fn(n)), 4),
                             "yields_to": list(s.yields_to),
+                            "overflow_only": bool(s.yields_to)
+                            and sched.config.yielding_overflow_only,
                             "cached_blocks": sched.index.blocks_on(n),
                             "ttft_admit_limit_s": round(sched.ttft_admit_limit(n, time.monotonic()), 4)}
                         for n, s in sched.prefill.items()},

@@ -39,10 +39,26 @@ from mooncaked.placement import (CONDUCTOR, DECODE, DEFAULT_PREFILL_NODES, PREFI
 from mooncaked.supervisor import CrashLoop, RestartPolicy, RestartTracker
 
 
+# Every port free_port has handed out in this process.  The kernel gives a
+# port that is free now: the child it is meant for binds it only once started,
+# so the next call may be given the same one (seen: decode-0 and prefill-1 of
+# one `up` both told to listen on one port, and the second never came up).
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+FREE_PORT_TRIES = 64
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A port free on ``host`` now and never handed out before by this process."""
+    with _handed_out_lock:
+        for _ in range(FREE_PORT_TRIES):
+            with socket.socket() as sock:
+                sock.bind((host, 0))
+                port = sock.getsockname()[1]
+            if port not in _handed_out:
+                break
+        _handed_out.add(port)
+        return port
 
 
 def _die_with_parent() -> None:

@@ -269,3 +269,28 @@ def test_up_stops_on_sigint_even_when_started_with_sigint_ignored(tmp_path):
         if up.poll() is None:
             up.kill()
             up.wait()
+
+
+def test_a_port_is_handed_out_once_though_the_kernel_offers_it_again(monkeypatch):
+    """The kernel offers a port that is free now; the node it is meant for
+    binds it only once started, so the next node may be offered the same
+    one.  Two nodes of one cluster must never be told the same port."""
+    from mooncaked import launcher
+    offered = iter([47001, 47001, 47001, 47002])
+
+    class Offering:  # what bind(port 0) would answer, scripted
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            self.port = next(offered)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(launcher.socket, "socket", Offering)
+    monkeypatch.setattr(launcher, "_handed_out", set(), raising=False)
+    assert [launcher.free_port(), launcher.free_port()] == [47001, 47002]

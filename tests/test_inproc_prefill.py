@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -520,3 +521,34 @@ async def test_a_reply_says_the_cpu_seconds_its_compute_took(open_worker, decode
     # Shares by tokens to compute: 20 and 40.
     assert two.timings["compute_cpu_s"] == pytest.approx(2 * one.timings["compute_cpu_s"], rel=1e-3)
     assert worker.compute_cpu_s() > 0
+
+
+async def test_a_batched_pass_is_charged_once_to_its_requests(open_worker, decode, service_on):
+    """The heartbeat charges each request of a batched pass its share of the
+    time so far, so the whole counts the pass once; each reply says the part
+    of the pass spent on the requests ahead of it."""
+    worker = await open_worker()
+    svc = await service_on(worker, chunk_size=64)
+    seen = []   # (load, the earliest start, when the load was read) during the pass
+
+    real = worker.runner.prefill_batch
+
+    def prefill_batch(requests, layer_hook):
+        def hook(i, start, end, layer):
+            if not seen:   # the first layer's KV is out: the pass is under way
+                seen.append((svc.load(), min(item.started_at for item in svc.running),
+                             time.perf_counter()))
+            layer_hook(i, start, end, layer)
+        return real(requests, layer_hook=hook)
+    worker.runner.prefill_batch = prefill_batch
+    prompts = {"req-1": tokens(20, seed=3), "req-2": tokens(40, seed=4)}
+    grants = {rid: decode.reserve(len(p) + GREEDY.max_tokens) for rid, p in prompts.items()}
+    one, two = await asyncio.gather(*(svc.submit(spec_for(worker, rid, p, grants[rid]))
+                                      for rid, p in prompts.items()))
+    assert svc.batches == 1
+    load, first_start, read_at = seen[0]
+    assert set(load["running_s"]) == {"req-1", "req-2"}
+    assert sum(load["running_s"].values()) <= read_at - first_start + 1e-6
+    assert one.timings["batched_ahead_s"] == 0.0
+    # req-1's 20 tokens of 60 ran ahead of req-2: its share of the pass.
+    assert two.timings["batched_ahead_s"] == pytest.approx(one.timings["compute_s"], rel=1e-3)

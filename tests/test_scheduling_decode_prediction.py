@@ -273,6 +273,20 @@ def test_each_prefill_node_learns_its_own_bias():
     assert s.ttft_bias(2.0, "p1") == pytest.approx(0.3)
 
 
+def test_the_bias_does_not_learn_the_part_of_a_batched_pass_spent_on_those_ahead():
+    s = make_sched(ttft_bias_alpha=1.0)                # the bias is the last sample's
+    s.schedule(req("a", 500), now=0.0)                # predicted 0.5 s
+    # First token at 1.0 s: 0.5 s its own share of a pass, 0.3 s of the pass
+    # spent on the requests ahead of it (whose work its queue estimate held).
+    s.on_prefill_finished("p0", "a", now=1.0, actual_seconds=0.5, actual_queue_s=0.0,
+                          actual_batched_ahead_s=0.3)
+    assert s.ttft_bias(1.0, "p0") == pytest.approx(0.2)
+    # Not batched: all 0.5 s beyond its prefill are missed.
+    s.schedule(req("b", 500), now=1.0)
+    s.on_prefill_finished("p0", "b", now=2.0, actual_seconds=0.5, actual_queue_s=0.0)
+    assert s.ttft_bias(2.0, "p0") == pytest.approx(0.5)
+
+
 def test_queue_from_bookings_uses_own_estimates_of_the_named_requests():
     s = make_sched(queue_from_bookings=True)
     s.schedule(req("a", 1000), now=0.0)   # 1.0 s each by the fitted estimator

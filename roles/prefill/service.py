@@ -238,19 +238,29 @@ class PrefillService:
             self.batched_requests += len(ready)
             tokens = sum(len(job.spec.token_ids) - job.cached for job in jobs)
 
-            async def finish(item: _Queued, job: PrefillJob, logits: Any) -> None:
+            ahead = 0  # tokens of the requests ahead of each in the batch
+
+            async def finish(item: _Queued, job: PrefillJob, logits: Any, ahead: int) -> None:
                 try:
                     # Each request is charged its share of the pass.
                     part = (len(job.spec.token_ids) - job.cached) / max(1, tokens)
                     job.result.timings["compute_cpu_s"] = compute_cpu_s * part
+                    # ... and told the part spent on the requests ahead of it
+                    # in the pass: its first token waited for the whole pass,
+                    # and the conductor, which counted their work in its queue,
+                    # must not take that part for a delay it failed to see.
+                    job.result.timings["batched_ahead_s"] = compute_s * ahead / max(1, tokens)
                     self._succeeded(item, await job.finish(logits, t_compute, compute_s * part))
                 except Exception as exc:  # noqa: BLE001 - this request only
                     self._failed(item, exc)
 
             # Side by side: each reply goes out once its own KV sends are
             # done, not after those of the requests ahead of it in the batch.
-            await asyncio.gather(*(finish(item, job, logits)
-                                   for item, job, logits in zip(ready, jobs, all_logits)))
+            finishes = []
+            for item, job, logits in zip(ready, jobs, all_logits):
+                finishes.append(finish(item, job, logits, ahead))
+                ahead += len(job.spec.token_ids) - job.cached
+            await asyncio.gather(*finishes)
         except asyncio.CancelledError as exc:
             for item in step:
                 self._failed(item, exc)
@@ -260,21 +270,31 @@ class PrefillService:
                 if isinstance(item.job, PrefillJob):
                     await item.job.cleanup()
 
-    def _running_cpu_s(self) -> dict[str, float]:
+    def _running_shares(self) -> dict[str, float]:
+        """Each running request's share of the step it runs in, by tokens to
+        compute: how a batched pass's time and CPU are charged to its
+        requests (as their replies' compute_s and compute_cpu_s are)."""
+        tokens = {item.job.spec.request_id: max(1, len(item.job.spec.token_ids)
+                                                - getattr(item.job, "cached", 0))
+                  for item in self.running}
+        total = sum(tokens.values())
+        return {rid: n / total for rid, n in tokens.items()}
+
+    def _running_cpu_s(self, shares: dict[str, float]) -> dict[str, float]:
         """CPU seconds of compute spent on each running request (a batched
-        pass: each its share by tokens to compute)."""
+        pass: each its share)."""
         jobs = [item.job for item in self.running if isinstance(item.job, PrefillJob)
                 and item.job.cpu_at_start is not None]
         if not jobs:
             return {}
         now = self.worker.compute_cpu_s()
-        tokens = [max(1, len(job.spec.token_ids) - job.cached) for job in jobs]
-        total = sum(tokens)
-        return {job.spec.request_id: round(max(0.0, now - job.cpu_at_start) * n / total, 6)
-                for job, n in zip(jobs, tokens)}
+        return {job.spec.request_id: round(max(0.0, now - job.cpu_at_start)
+                                           * shares[job.spec.request_id], 6)
+                for job in jobs}
 
     def load(self) -> dict:
         now = time.perf_counter()
+        shares = self._running_shares()
         return {"queue_len": len(self.queue) + len(self.running),
                 "batches": self.batches, "batched_requests": self.batched_requests,
                 "queued_tokens": self.queued_tokens,
@@ -285,11 +305,15 @@ class PrefillService:
                 "request_ids": [item.job.spec.request_id for item in (*self.running, *self.queue)],
                 # How long each running request has been computing: the
                 # conductor's estimate of it is that much spent already (a
-                # report naming it must not restart its whole estimate).
-                "running_s": {item.job.spec.request_id: round(now - item.started_at, 6)
+                # report naming it must not restart its whole estimate).  In
+                # a batched pass each is charged its share of the time, so
+                # that what is left of the pass is counted once, not less
+                # once per request in it.
+                "running_s": {item.job.spec.request_id:
+                              round((now - item.started_at) * shares[item.job.spec.request_id], 6)
                               for item in self.running if item.started_at is not None},
                 # ... and the CPU seconds the compute thread has spent on it:
                 # on cores another role has first call on (prefill.yields_to)
                 # that, not the time, is how far it has got.
-                "running_cpu_s": self._running_cpu_s(),
+                "running_cpu_s": self._running_cpu_s(shares),
                 "completed": self.completed, "failed": self.failed}

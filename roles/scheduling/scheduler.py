@@ -543,7 +543,8 @@ class Scheduler:
                             actual_seconds: float,
                             actual_prefix_tokens: int | None = None,
                             actual_queue_s: float | None = None,
-                            actual_work_s: float | None = None) -> None:
+                            actual_work_s: float | None = None,
+                            actual_batched_ahead_s: float = 0.0) -> None:
         """Prefill done (first token out): refit and record the TTFT error.
 
         `actual_queue_s`, when the node measured it, is the time the request
@@ -553,6 +554,11 @@ class Scheduler:
         `actual_work_s`, the CPU seconds its compute took: what a node that
         yields its cores (``yields_to``) is fitted on, since its wall time
         holds whatever the decode nodes ran meanwhile.
+
+        `actual_batched_ahead_s`: in a batched pass, the part of the pass
+        spent on the requests ahead of this one in it.  Its first token
+        waited for it, but its queue estimate already held their work: the
+        bias must not learn it a second time.
 
         `actual_seconds <= 0` means "no measurement" (cancelled or failed
         prefill): the booking is released but nothing is learned from it.
@@ -601,7 +607,7 @@ class Scheduler:
             # minus the measured prefill, the queue, the predicted transfer.
             d = inf.decision
             queue = d.t_queue if actual_queue_s is None else actual_queue_s
-            missed = actual_ttft - actual_seconds - queue - d.t_transfer
+            missed = actual_ttft - actual_seconds - actual_batched_ahead_s - queue - d.t_transfer
             # Per node too: what one node's replies wait for (a borrower's
             # event loop behind decode bursts) is not another's.  (Its old
             # value is read first: without a record of its own it is the

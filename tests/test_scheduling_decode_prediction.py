@@ -287,6 +287,46 @@ def test_the_bias_does_not_learn_the_part_of_a_batched_pass_spent_on_those_ahead
     assert s.ttft_bias(2.0, "p0") == pytest.approx(0.5)
 
 
+def feed_missed(s, samples, start=0.0):
+    """Finish one request per sample, each missing ``missed`` seconds beyond
+    its measured 0.5 s prefill; returns when the last finished."""
+    now = start
+    for i, missed in enumerate(samples):
+        s.schedule(req(f"m{start}-{i}", 500), now=now)
+        now += 0.5 + missed
+        s.on_prefill_finished("p0", f"m{start}-{i}", now=now, actual_seconds=0.5,
+                              actual_queue_s=0.0)
+        s.on_decode_finished("d0", f"m{start}-{i}", now)
+    return now
+
+
+def test_the_median_rule_steps_by_the_spread_of_the_samples():
+    s = make_sched(ttft_bias_alpha=0.5, ttft_bias_rule="median", ttft_bias_half_life_s=1e9)
+    now = feed_missed(s, [0.010])
+    # spread 0.5 x 0 + 0.5 x |0.010 - 0| = 0.005; a step of 0.2 x that, up.
+    assert s.ttft_bias(now, "p0") == pytest.approx(0.001)
+    now = feed_missed(s, [0.010], start=now)
+    # spread 0.5 x 0.005 + 0.5 x |0.010 - 0.001| = 0.007: up by 0.0014.
+    assert s.ttft_bias(now, "p0") == pytest.approx(0.0024)
+    now = feed_missed(s, [0.0], start=now)
+    # spread 0.5 x 0.007 + 0.5 x 0.0024 = 0.0047: down by 0.00094.
+    assert s.ttft_bias(now, "p0") == pytest.approx(0.00146)
+
+
+def test_the_median_rule_is_not_pulled_up_by_a_stall_now_and_then():
+    """What the estimators miss is mostly 10 ms, one request in five 200 ms
+    (a stall): the median bias stays near 10 ms, the mean goes near 48."""
+    samples = ([0.010] * 4 + [0.200]) * 40
+    biases = {}
+    for rule in ("mean", "median"):
+        s = make_sched(ttft_bias_alpha=0.1, ttft_bias_rule=rule, ttft_bias_half_life_s=1e9)
+        biases[rule] = s.ttft_bias(feed_missed(s, samples), "p0")
+    assert biases["median"] < 0.025
+    assert biases["mean"] > 0.04
+    with pytest.raises(ValueError, match="ttft_bias_rule"):
+        SchedulerConfig(ttft_bias_rule="mode")
+
+
 def test_queue_from_bookings_uses_own_estimates_of_the_named_requests():
     s = make_sched(queue_from_bookings=True)
     s.schedule(req("a", 1000), now=0.0)   # 1.0 s each by the fitted estimator

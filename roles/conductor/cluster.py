@@ -69,7 +69,7 @@ class ClusterView:
             SchedulerConfig(policy=section.policy, ttft_slo_s=section.ttft_slo_s,
                             tbt_slo_s=section.tbt_slo_ms / 1000.0,
                             policy_params=_policy_params(section),
-                            ttft_bias_alpha=TTFT_BIAS_ALPHA,
+                            ttft_bias_alpha=TTFT_BIAS_ALPHA, ttft_bias_rule="median",
                             slo_admit_fraction=SLO_ADMIT_FRACTION, queue_from_bookings=True,
                             per_node_prefill_fit=True, ttft_margin_errors=TTFT_MARGIN_ERRORS,
                             price_yielded_work=section.price_borrowed_work,

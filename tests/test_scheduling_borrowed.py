@@ -44,14 +44,23 @@ def test_after_a_point_the_gaps_pass_at_the_idle_rate():
     assert borrowed.idle_share_of_arrivals(0.0, 0.5) == 1.0
 
 
-def scheduler(price: bool) -> Scheduler:
-    cfg = SchedulerConfig(policy="mooncake", ttft_slo_s=10.0, tbt_slo_s=1.0,
-                          price_yielded_work=price, per_node_prefill_fit=True)
-    # 0.05 s per prefill whatever the prompt, refitted after every sample.
-    s = Scheduler(cfg, PolynomialPrefillEstimator({"c0": 0.05}, refit_every=1, window=8),
+def borrowing_cluster(own_nodes: tuple[str, ...] = (), **cfg) -> Scheduler:
+    """Decode node d0, prefill nodes ``own_nodes`` with cores of their own
+    and b, which yields to d0; 0.05 s per prefill whatever the prompt,
+    refitted after every sample."""
+    s = Scheduler(SchedulerConfig(policy="mooncake", tbt_slo_s=1.0, per_node_prefill_fit=True,
+                                  **cfg),
+                  PolynomialPrefillEstimator({"c0": 0.05}, refit_every=1, window=8),
                   TransferEstimator(1e9), DecodeEstimator(0.01, 0.0, 0.0))
     s.add_decode_node("d0", page_budget=1000, page_tokens=16)
+    for node in own_nodes:
+        s.add_prefill_node(node)
     s.add_prefill_node("b", yields_to=("d0",))
+    return s
+
+
+def scheduler(price: bool) -> Scheduler:
+    s = borrowing_cluster(ttft_slo_s=10.0, price_yielded_work=price)
     # d0 decodes one sequence with 20 tokens left at 10 ms a step: busy [0, 0.2].
     s.on_node_report("d0", NodeReport(at=0.0, recent_tbt_s=0.01,
                                       decode_sequences={"x": RunningSeq(100, 20)}), 0.0)
@@ -119,14 +128,7 @@ def test_requests_accepted_lately_stand_for_those_still_to_come():
 
 def overflow_scheduler(overflow_only: bool) -> Scheduler:
     # TTFT SLO 0.12 s, 0.05 s a prefill: a node admits two queued requests.
-    cfg = SchedulerConfig(policy="mooncake", ttft_slo_s=0.12, tbt_slo_s=1.0,
-                          per_node_prefill_fit=True, yielding_overflow_only=overflow_only)
-    s = Scheduler(cfg, PolynomialPrefillEstimator({"c0": 0.05}, refit_every=1, window=8),
-                  TransferEstimator(1e9), DecodeEstimator(0.01, 0.0, 0.0))
-    s.add_decode_node("d0", page_budget=1000, page_tokens=16)
-    s.add_prefill_node("a")
-    s.add_prefill_node("b", yields_to=("d0",))
-    return s
+    return borrowing_cluster(("a",), ttft_slo_s=0.12, yielding_overflow_only=overflow_only)
 
 
 def test_a_yielding_node_takes_only_what_the_others_cannot_admit():

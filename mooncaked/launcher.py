@@ -57,6 +57,8 @@ def free_port(host: str = "127.0.0.1") -> int:
                 port = sock.getsockname()[1]
             if port not in _handed_out:
                 break
+        # (Had every try offered a port handed out before, the last offer
+        # stands: a clash is then reported by the node that cannot bind.)
         _handed_out.add(port)
         return port
 

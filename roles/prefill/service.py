@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -236,31 +237,30 @@ class PrefillService:
             compute_cpu_s = self.worker.compute_cpu_s() - cpu0
             self.batches += 1
             self.batched_requests += len(ready)
-            tokens = sum(len(job.spec.token_ids) - job.cached for job in jobs)
+            computed = [len(job.spec.token_ids) - job.cached for job in jobs]
+            tokens = max(1, sum(computed))
 
-            ahead = 0  # tokens of the requests ahead of each in the batch
-
-            async def finish(item: _Queued, job: PrefillJob, logits: Any, ahead: int) -> None:
+            async def finish(item: _Queued, job: PrefillJob, logits: Any, own: int,
+                             ahead: int) -> None:
                 try:
-                    # Each request is charged its share of the pass.
-                    part = (len(job.spec.token_ids) - job.cached) / max(1, tokens)
-                    job.result.timings["compute_cpu_s"] = compute_cpu_s * part
-                    # ... and told the part spent on the requests ahead of it
-                    # in the pass: its first token waited for the whole pass,
-                    # and the conductor, which counted their work in its queue,
-                    # must not take that part for a delay it failed to see.
-                    job.result.timings["batched_ahead_s"] = compute_s * ahead / max(1, tokens)
-                    self._succeeded(item, await job.finish(logits, t_compute, compute_s * part))
+                    # Each request is charged its share of the pass, and told
+                    # the part spent on the requests ahead of it in the pass:
+                    # its first token waited for the whole pass, and the
+                    # conductor, which counted their work in its queue, must
+                    # not take that part for a delay it failed to see.
+                    job.result.timings["compute_cpu_s"] = compute_cpu_s * own / tokens
+                    job.result.timings["batched_ahead_s"] = compute_s * ahead / tokens
+                    self._succeeded(item, await job.finish(logits, t_compute,
+                                                           compute_s * own / tokens))
                 except Exception as exc:  # noqa: BLE001 - this request only
                     self._failed(item, exc)
 
             # Side by side: each reply goes out once its own KV sends are
             # done, not after those of the requests ahead of it in the batch.
-            finishes = []
-            for item, job, logits in zip(ready, jobs, all_logits):
-                finishes.append(finish(item, job, logits, ahead))
-                ahead += len(job.spec.token_ids) - job.cached
-            await asyncio.gather(*finishes)
+            aheads = [0, *itertools.accumulate(computed)][:-1]
+            await asyncio.gather(*(finish(item, job, logits, own, ahead)
+                                   for item, job, logits, own, ahead
+                                   in zip(ready, jobs, all_logits, computed, aheads)))
         except asyncio.CancelledError as exc:
             for item in step:
                 self._failed(item, exc)

@@ -123,12 +123,7 @@ class EtcdStore:
             # "failed to connect to all addresses" well after etcd was back.
             self._client = self._aetcd.Client(host=host, port=int(port), options={
                 "grpc.keepalive_time_ms": 2000, "grpc.keepalive_timeout_ms": 1000,
-                "grpc.keepalive_permit_without_calls": 1, "grpc.use_local_subchannel_pool": 1,
-                # Reconnect within a second of etcd coming back: gRPC's default
-                # backoff grows to 120 s, and a conductor refusing requests while
-                # its channel waits it out was seen 60 s after etcd was back.
-                "grpc.initial_reconnect_backoff_ms": 200, "grpc.min_reconnect_backoff_ms": 200,
-                "grpc.max_reconnect_backoff_ms": 1000})
+                "grpc.keepalive_permit_without_calls": 1, "grpc.use_local_subchannel_pool": 1})
         return self._client
 
     async def _drop_connection(self) -> None:

@@ -15,7 +15,7 @@ import pytest
 from mooncaked.etcd_process import EtcdProcess, find_etcd
 from mooncaked.node.discovery import EtcdDiscovery
 from mooncaked.node.election import LeaderElection, new_incarnation
-from mooncaked.node.etcd_store import ConductorRecord, EtcdStore
+from mooncaked.node.etcd_store import ConductorRecord, EtcdStore, EtcdUnavailable
 from mooncaked.node.messages import NodeRegistration
 from mooncaked.node.sections import EtcdSection
 from mooncaked.node.tasks import cancel_and_wait
@@ -181,6 +181,44 @@ async def test_a_new_connection_does_not_inherit_a_failed_ones_backoff(etcd):
     assert await fresh.get(b"k") == b"v"  # the first call, not a retry
     await fresh.close()
     await old.close()
+
+
+async def test_a_call_whose_connection_another_caller_drops_fails_as_unavailable(etcd):
+    """gRPC ends a call whose channel is closed meanwhile with CancelledError.
+    A failed watch used to close the connection the campaign round was using,
+    and that CancelledError ended the campaign task for good: the conductor
+    stayed etcd_unreachable after etcd was back (seen in CI and here).  The
+    call must fail like any other, leaving the caller's task running."""
+    store = EtcdStore(section(etcd))
+    await store.put(b"k", b"v")
+    call = asyncio.create_task(store.get(b"k"))
+    await asyncio.sleep(0)  # the call is in flight on the shared connection
+    await store._drop_connection(store._client)  # what another caller's failure does
+    with pytest.raises(EtcdUnavailable, match="closed under it"):
+        await call
+    assert await store.get(b"k") == b"v"  # a new connection serves the next call
+    await store.close()
+
+
+async def test_a_watch_survives_another_callers_dropped_connection(etcd):
+    """The watch has a connection of its own: a call failing elsewhere (which
+    drops the shared connection) does not break it."""
+    store = EtcdStore(section(etcd))
+    await store.put(b"w", b"0")
+
+    async def first_change() -> None:
+        async for _ in store.changes(b"w"):
+            return
+    watch = asyncio.create_task(first_change())
+    await asyncio.sleep(0.2)  # let the watch open (a missed put is retried below)
+    await store._drop_connection(store._client)
+    for n in range(100):  # bounded: about 10 s of puts until the watch reports one
+        if watch.done():
+            break
+        await store.put(b"w", str(n).encode())
+        await asyncio.sleep(0.1)
+    assert watch.done() and watch.exception() is None, watch
+    await store.close()
 
 
 async def test_a_leader_stuck_on_an_etcd_that_does_not_answer_stops_leading_after_a_ttl(etcd):

@@ -112,49 +112,51 @@ class EtcdStore:
     def endpoint(self) -> str:
         return self.section.endpoints[self._endpoint]
 
+    def _new_client(self) -> Any:
+        host, _, port = self.endpoint.rpartition(":")
+        # Keepalive pings notice a dead etcd on an idle watch stream.  A
+        # channel of its own subchannels: by default gRPC shares them
+        # process-wide by target, so the channel made after a failure
+        # inherited the failed one's reconnect backoff (growing to tens of
+        # seconds while etcd was down) and kept refusing calls with "failed
+        # to connect to all addresses" well after etcd was back.
+        return self._aetcd.Client(host=host, port=int(port), options={
+            "grpc.keepalive_time_ms": 2000, "grpc.keepalive_timeout_ms": 1000,
+            "grpc.keepalive_permit_without_calls": 1, "grpc.use_local_subchannel_pool": 1})
+
     def _connection(self) -> Any:
         if self._client is None:
-            host, _, port = self.endpoint.rpartition(":")
-            # Keepalive pings notice a dead etcd on an idle watch stream.  A
-            # channel of its own subchannels: by default gRPC shares them
-            # process-wide by target, so the channel made after a failure
-            # inherited the failed one's reconnect backoff (growing to tens
-            # of seconds while etcd was down) and kept refusing calls with
-            # "failed to connect to all addresses" well after etcd was back.
-            self._client = self._aetcd.Client(host=host, port=int(port), options={
-                "grpc.keepalive_time_ms": 2000, "grpc.keepalive_timeout_ms": 1000,
-                "grpc.keepalive_permit_without_calls": 1, "grpc.use_local_subchannel_pool": 1})
+            self._client = self._new_client()
         return self._client
 
-    async def _drop_connection(self) -> None:
-        client, self._client = self._client, None
+    async def _drop_connection(self, client: Any) -> None:
+        """Give up ``client`` after a failed call: the next call opens a new
+        connection to the next endpoint.  Only the connection the call used
+        is dropped: one that another caller has opened since is left alone."""
+        if client is not self._client:
+            return
+        self._client = None
         self._endpoint = (self._endpoint + 1) % len(self.section.endpoints)
-        if client is not None:
-            try:
-                async with asyncio.timeout(self.timeout_s):
-                    await client.close()
-            except Exception:  # noqa: BLE001 - a broken channel may fail to close; it is dropped
-                pass
+        await _close_quietly(client, self.timeout_s)
 
     async def _call(self, what: str, method: str, *args: Any, **kwargs: Any) -> Any:
         client = self._connection()
         try:
             async with asyncio.timeout(self.timeout_s):
                 return await getattr(client, method)(*args, **kwargs)
+        except asyncio.CancelledError:
+            if _cancelled_by_caller():
+                raise
+            failure = "its connection was closed under it"
         except Exception as exc:  # noqa: BLE001 - grpc/aetcd raise many types; one error for callers
-            endpoint = self.endpoint
-            await self._drop_connection()
-            raise EtcdUnavailable(f"etcd at {endpoint}: {what} failed "
-                                  f"({type(exc).__name__}: {exc or 'timeout'})") from None
+            failure = f"{type(exc).__name__}: {exc or 'timeout'}"
+        endpoint = self.endpoint
+        await self._drop_connection(client)
+        raise EtcdUnavailable(f"etcd at {endpoint}: {what} failed ({failure})")
 
     async def close(self) -> None:
         client, self._client = self._client, None
-        if client is not None:
-            try:
-                async with asyncio.timeout(self.timeout_s):
-                    await client.close()
-            except Exception:  # noqa: BLE001 - closing a dead channel
-                pass
+        await _close_quietly(client, self.timeout_s)
 
     # -- leases ---------------------------------------------------------------
 
@@ -220,20 +222,63 @@ class EtcdStore:
     async def changes(self, key: bytes, *, prefix: bool = False) -> AsyncIterator[None]:
         """One item per change of ``key`` (or of the keys under it), as etcd
         reports them; ends with EtcdUnavailable when the watch breaks.  Callers
-        re-read the state after each item (a change carries no value here)."""
+        re-read the state after each item (a change carries no value here).
+
+        The watch has a connection of its own, closed when it ends: a broken
+        watch must not close the connection other calls are using (gRPC ends
+        a call whose channel is closed with CancelledError, which once ended
+        the election's campaign task for good)."""
+        endpoint = self.endpoint
+        client = self._new_client()
         method = "watch_prefix" if prefix else "watch"
-        watch = await self._call("watch", method, key)
         try:
-            async for _event in watch:
-                yield None
-        except self._aetcd.exceptions.ClientError as exc:
-            await self._drop_connection()
-            raise EtcdUnavailable(f"etcd watch broke ({type(exc).__name__}: {exc})") from None
-        finally:
             try:
                 async with asyncio.timeout(self.timeout_s):
-                    await watch.cancel()
-            except Exception:  # noqa: BLE001 - the stream may already be gone
-                pass
-        # The watch ended without an error: the connection went away.
-        raise EtcdUnavailable("etcd watch ended")
+                    watch = await getattr(client, method)(key)
+            except asyncio.CancelledError:
+                if _cancelled_by_caller():
+                    raise
+                raise EtcdUnavailable(f"etcd at {endpoint}: watch closed while opening") from None
+            except Exception as exc:  # noqa: BLE001 - grpc/aetcd raise many types
+                self._endpoint = (self._endpoint + 1) % len(self.section.endpoints)
+                raise EtcdUnavailable(f"etcd at {endpoint}: watch failed "
+                                      f"({type(exc).__name__}: {exc or 'timeout'})") from None
+            try:
+                async for _event in watch:
+                    yield None
+            except asyncio.CancelledError:
+                if _cancelled_by_caller():
+                    raise
+                raise EtcdUnavailable(f"etcd at {endpoint}: watch closed") from None
+            except self._aetcd.exceptions.ClientError as exc:
+                raise EtcdUnavailable(f"etcd watch broke ({type(exc).__name__}: {exc})") from None
+            finally:
+                try:
+                    async with asyncio.timeout(self.timeout_s):
+                        await watch.cancel()
+                except Exception:  # noqa: BLE001 - the stream may already be gone
+                    pass
+            # The watch ended without an error: the connection went away.
+            raise EtcdUnavailable("etcd watch ended")
+        finally:
+            await _close_quietly(client, self.timeout_s)
+
+
+def _cancelled_by_caller() -> bool:
+    """Whether the current task is being cancelled (by its owner or a timeout).
+
+    gRPC's asyncio API also raises CancelledError in a call whose channel was
+    closed meanwhile; that is a failed call, not a cancellation, and must not
+    end the caller's task."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+async def _close_quietly(client: Any, timeout_s: float) -> None:
+    if client is None:
+        return
+    try:
+        async with asyncio.timeout(timeout_s):
+            await client.close()
+    except Exception:  # noqa: BLE001 - a broken channel may fail to close; it is dropped
+        pass

@@ -80,8 +80,13 @@ class ConductorSection:
     prefill_profile: str = ""
     # Price a prefill node that borrows the decode nodes' cores
     # (prefill.yields_to) by its CPU seconds and their predicted busy time
-    # instead of by its wall times (SchedulerConfig.price_yielded_work).
-    price_borrowed_work: bool = False
+    # instead of by its wall times (SchedulerConfig.price_yielded_work).  On
+    # by default since stop 25: where decode keeps the borrowed core busy
+    # (a slower machine at 4x) the borrower's wall times swing with decode
+    # load, and priced by them it held most of the TTFT error (MAE 19-62% of
+    # the p50 in eight runs, against 10-19% in five priced by its work;
+    # goodput equal, docs/bench.md).
+    price_borrowed_work: bool = True
     # Choose the prefill node by predicted TTFT + its learned bias + this many
     # times its recent mean absolute TTFT error (0: by predicted TTFT alone,
     # Algorithm 1 as the paper states it).

@@ -129,6 +129,10 @@ class EtcdStore:
             self._client = self._new_client()
         return self._client
 
+    def _next_endpoint(self) -> None:
+        """The next connection opened goes to the next endpoint."""
+        self._endpoint = (self._endpoint + 1) % len(self.section.endpoints)
+
     async def _drop_connection(self, client: Any) -> None:
         """Give up ``client`` after a failed call: the next call opens a new
         connection to the next endpoint.  Only the connection the call used
@@ -136,11 +140,14 @@ class EtcdStore:
         if client is not self._client:
             return
         self._client = None
-        self._endpoint = (self._endpoint + 1) % len(self.section.endpoints)
+        self._next_endpoint()
         await _close_quietly(client, self.timeout_s)
 
-    async def _call(self, what: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        client = self._connection()
+    async def _call_on(self, client: Any, what: str, method: str, *args: Any,
+                       **kwargs: Any) -> Any:
+        """``method`` on ``client`` within the timeout; any failure raises
+        EtcdUnavailable (what to do with the client is the caller's)."""
+        endpoint = self.endpoint
         try:
             async with asyncio.timeout(self.timeout_s):
                 return await getattr(client, method)(*args, **kwargs)
@@ -150,9 +157,15 @@ class EtcdStore:
             failure = "its connection was closed under it"
         except Exception as exc:  # noqa: BLE001 - grpc/aetcd raise many types; one error for callers
             failure = f"{type(exc).__name__}: {exc or 'timeout'}"
-        endpoint = self.endpoint
-        await self._drop_connection(client)
         raise EtcdUnavailable(f"etcd at {endpoint}: {what} failed ({failure})")
+
+    async def _call(self, what: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        client = self._connection()
+        try:
+            return await self._call_on(client, what, method, *args, **kwargs)
+        except EtcdUnavailable:
+            await self._drop_connection(client)
+            raise
 
     async def close(self) -> None:
         client, self._client = self._client, None
@@ -233,16 +246,10 @@ class EtcdStore:
         method = "watch_prefix" if prefix else "watch"
         try:
             try:
-                async with asyncio.timeout(self.timeout_s):
-                    watch = await getattr(client, method)(key)
-            except asyncio.CancelledError:
-                if _cancelled_by_caller():
-                    raise
-                raise EtcdUnavailable(f"etcd at {endpoint}: watch closed while opening") from None
-            except Exception as exc:  # noqa: BLE001 - grpc/aetcd raise many types
-                self._endpoint = (self._endpoint + 1) % len(self.section.endpoints)
-                raise EtcdUnavailable(f"etcd at {endpoint}: watch failed "
-                                      f"({type(exc).__name__}: {exc or 'timeout'})") from None
+                watch = await self._call_on(client, "watch", method, key)
+            except EtcdUnavailable:
+                self._next_endpoint()
+                raise
             try:
                 async for _event in watch:
                     yield None

@@ -9,13 +9,13 @@ id (workers re-register by themselves; a new conductor gets every worker back
 and rebuilds its cache index from their snapshots) while the others keep
 serving; ``up`` gives up only when a node crash-loops (``supervisor.py``).
 Ctrl-C/SIGTERM tears the cluster down (workers first, then the conductor;
-SIGKILL after a grace period).  Children also get PR_SET_PDEATHSIG, so a
-launcher killed with -9 does not leave orphans behind.
+SIGKILL after a grace period).  Children also get PR_SET_PDEATHSIG (armed by
+the child itself, ``process_setup.py``), so a launcher killed with -9 does not
+leave orphans behind.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -33,6 +33,7 @@ from typing import Callable, Optional
 
 import typer
 
+from mooncaked import process_setup
 from mooncaked.etcd_process import EtcdProcess
 from mooncaked.placement import (CONDUCTOR, DECODE, DEFAULT_PREFILL_NODES, PREFILL, NodePlacement,
                                  Placement, default_prefill_nodes, parse_cpus, place)
@@ -61,13 +62,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         # stands: a clash is then reported by the node that cannot bind.)
         _handed_out.add(port)
         return port
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it when the launcher dies."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    PR_SET_PDEATHSIG = 1
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def http_json(url: str, body: dict | None = None, headers: dict | None = None,
@@ -163,30 +157,17 @@ def spawn(name: str, role: str, port: int, args: list[str], log_path: Path,
     pinned to ``cpus`` when given, at SCHED_IDLE with ``idle_priority``
     (inherited by every thread it starts)."""
 
-    def before_exec() -> None:
-        _die_with_parent()
-        if cpus is not None:
-            os.sched_setaffinity(0, cpus)
-        if idle_priority:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-            # start_new_session made this process its own autogroup (when the
-            # kernel has autogroups), and the kernel shares a core between
-            # groups by the group's nice, whatever the policy inside: at nice
-            # 0 this node still took half of a busy decode core.
-            try:
-                with open("/proc/self/autogroup", "w") as group:
-                    group.write("19")
-            except OSError:
-                pass  # no autogroups: SCHED_IDLE alone already yields
-
     # Oversubscribed OpenMP threads that spin while waiting steal the cores
     # the other nodes compute on: make idle ones sleep instead.
     full_env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
                 **(env or {})}
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(mooncaked_cmd(*args), stdout=log, stderr=subprocess.STDOUT,
-                                env=full_env, cwd=cwd, stdin=subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=before_exec)
+        # No preexec_fn: the settings are applied by the child itself
+        # (process_setup says why running code between fork and exec crashes).
+        cmd = process_setup.command(mooncaked_cmd(*args), parent=os.getpid(), cpus=cpus,
+                                    idle_priority=idle_priority)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
     return Child(name, role, port, log_path, proc, list(args), env, cwd, cpus, idle_priority)
 
 

@@ -6,6 +6,7 @@ import pytest
 from mooncaked.launcher import free_port, spawn
 from mooncaked.placement import (CONDUCTOR, DECODE, PREFILL, default_prefill_nodes, format_cpus,
                                  parse_cpus, place)
+from tests.nodes import wait_until
 
 
 def test_cpu_lists_parse_and_format():
@@ -102,29 +103,42 @@ def test_a_borrowing_prefill_node_sits_on_the_decode_cpus_at_idle_priority():
     assert place([0, 1], prefill=1, decode=1).borrowers == ()   # off by default
 
 
+def execed(child):
+    """The child, once its process set itself up and became the node (its
+    settings are applied by ``process_setup`` before that ``exec``)."""
+    def node_running() -> bool:
+        with open(f"/proc/{child.proc.pid}/cmdline", "rb") as cmdline:
+            argv = cmdline.read().split(b"\0")
+        # Not the launcher's image (before exec) nor the wrapper's.
+        return argv[1:3] == [b"-m", b"mooncaked.cli"]
+    wait_until(node_running, 30, interval=0.02, what=f"{child.name} exec'd")
+    return child
+
+
 def test_spawned_child_runs_on_its_cpu_set(tmp_path):
     cpu = max(os.sched_getaffinity(0))
     # A real conductor process: it runs until killed, so its affinity can be read.
     args = ["--role", "conductor", "--host", "127.0.0.1", "--port", str(free_port()),
             "--node-id", "probe"]
-    child = spawn("probe", "conductor", 0, args, tmp_path / "probe.log", cpus=frozenset({cpu}))
+    child = execed(spawn("probe", "conductor", 0, args, tmp_path / "probe.log",
+                         cpus=frozenset({cpu})))
     try:
         assert os.sched_getaffinity(child.proc.pid) == {cpu}
     finally:
         child.kill()
-    again = child.respawn()  # a restarted node keeps its place
+    again = execed(child.respawn())  # a restarted node keeps its place
     try:
         assert os.sched_getaffinity(again.proc.pid) == {cpu}
     finally:
         again.kill()
-    free = spawn("free", "conductor", 0, args, tmp_path / "free.log")
+    free = execed(spawn("free", "conductor", 0, args, tmp_path / "free.log"))
     try:
         assert os.sched_getaffinity(free.proc.pid) == os.sched_getaffinity(0)
         assert os.sched_getscheduler(free.proc.pid) == os.SCHED_OTHER
     finally:
         free.kill()
-    idle = spawn("idle", "conductor", 0, args, tmp_path / "idle.log", cpus=frozenset({cpu}),
-                 idle_priority=True)
+    idle = execed(spawn("idle", "conductor", 0, args, tmp_path / "idle.log",
+                        cpus=frozenset({cpu}), idle_priority=True))
     try:
         assert os.sched_getscheduler(idle.proc.pid) == os.SCHED_IDLE
         # Its own session is its own autogroup: the group must yield too.
@@ -132,7 +146,7 @@ def test_spawned_child_runs_on_its_cpu_set(tmp_path):
             assert open(f"/proc/{idle.proc.pid}/autogroup").read().split()[-1] == "19"
     finally:
         idle.kill()
-    again = idle.respawn()  # a restarted borrower stays at idle priority
+    again = execed(idle.respawn())  # a restarted borrower stays at idle priority
     try:
         assert os.sched_getscheduler(again.proc.pid) == os.SCHED_IDLE
     finally:

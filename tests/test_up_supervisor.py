@@ -256,11 +256,12 @@ def test_up_passes_served_model_name_to_the_conductor(tmp_path, monkeypatch):
 
 @pytest.mark.slow  # a real `mooncaked up`
 def test_up_stops_on_sigint_even_when_started_with_sigint_ignored(tmp_path):
-    # What a non-interactive shell does to `mooncaked up &`.
-    up = subprocess.Popen(mooncaked_cmd("up", "--prefill", "1", "--decode", "1", *SMALL, *FAST,
-                                        "--log-dir", str(tmp_path / "logs")),
-                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO,
-                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    # What a non-interactive shell does to `mooncaked up &` (a shell, not a
+    # preexec_fn: code run between fork and exec can crash beside gRPC).
+    up = subprocess.Popen(["sh", "-c", "trap '' INT; exec \"$@\"", "sh",
+                           *mooncaked_cmd("up", "--prefill", "1", "--decode", "1", *SMALL, *FAST,
+                                          "--log-dir", str(tmp_path / "logs"))],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO)
     try:
         assert up.stdout.readline().startswith("API: http://127.0.0.1:")
         up.send_signal(signal.SIGINT)

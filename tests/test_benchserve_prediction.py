@@ -34,3 +34,13 @@ def test_a_server_without_traces_reports_no_prediction_error():
     r = ok(0, 0.2, 0.3, 0.2)
     r.server = {}
     assert summarize([r], Slo())["prediction"] == {"n": 0}
+
+
+def test_the_error_against_the_clients_ttft_is_reported_beside_the_servers():
+    # The client saw each first token 5 ms after the server did.
+    results = [ok(0, 0.205, 0.2, 0.2), ok(1, 0.405, 0.41, 0.4), ok(2, 0.105, 0.09, 0.1)]
+    p = summarize(results, Slo())["prediction"]
+    assert p["ttft_mean_abs_error_s"] == pytest.approx((0.0 + 0.01 + 0.01) / 3)
+    # |0.2-0.205| + |0.41-0.405| + |0.09-0.105| = 0.025 over 3; client p50 0.205 s.
+    assert p["client_ttft_mean_abs_error_s"] == pytest.approx(0.025 / 3)
+    assert p["client_ttft_mean_abs_error_of_p50"] == pytest.approx(0.025 / 3 / 0.205)

@@ -634,3 +634,66 @@ def test_with_an_error_margin_the_node_whose_predictions_hold_is_chosen():
     assert (d.prefill_node, d.predicted_ttft_s) == ("p1", pytest.approx(0.6))
     with pytest.raises(ValueError):
         SchedulerConfig(choose_error_margin=-1.0)
+
+
+def finish_at_level(s, rid, level, missed, now):
+    """Schedule ``rid`` with ``level`` other requests in flight, finish it
+    missing ``missed`` s beyond its measured 0.5 s prefill, then the others
+    (which teach nothing); returns the time after."""
+    others = [f"{rid}-other{i}" for i in range(level)]
+    for other in others:
+        s.schedule(req(other, 500), now=now)
+    s.schedule(req(rid, 500), now=now)
+    now += 0.5 + missed
+    s.on_prefill_finished("p0", rid, now=now, actual_seconds=0.5, actual_queue_s=0.0)
+    s.on_decode_finished("d0", rid, now)
+    for other in others:
+        s.on_prefill_finished("p0", other, now=now, actual_seconds=0.0)
+        s.on_decode_finished("d0", other, now)
+    return now
+
+
+def test_the_bias_is_learned_per_load_level():
+    # Alone a request misses 4 ms, beside one other 10 ms, alternately.  With
+    # the mean rule at alpha 0.5 the node's bias settles at 6 ms after an
+    # alone one and 8 ms after a busy one (N0 = N1/2 + 2, N1 = N0/2 + 5), so
+    # one bias misses every request by 2-4 ms.  Each level's offset is the
+    # EWMA of what its requests missed beyond the node's bias as it stood:
+    # alone 4 - 8 = -4 ms, busy 10 - 6 = +4 ms, so each level is exact.
+    cfg = dict(ttft_bias_alpha=0.5, ttft_bias_half_life_s=1e9)
+    levelled, single = make_sched(**cfg, ttft_bias_load_bounds=(1,)), make_sched(**cfg)
+    for s in (levelled, single):
+        now = 0.0
+        for i in range(40):
+            now = finish_at_level(s, f"a{i}", 0, 0.004, now)
+            now = finish_at_level(s, f"b{i}", 1, 0.010, now)
+    assert single.ttft_bias(now, "p0") == pytest.approx(0.008)
+    assert levelled.load_level() == 0
+    assert levelled.ttft_bias(now, "p0", 0) == pytest.approx(0.004)   # 8 - 4
+    now = finish_at_level(levelled, "c", 0, 0.004, now)                # the node now at 6 ms
+    assert levelled.ttft_bias(now, "p0", 1) == pytest.approx(0.010)   # 6 + 4
+    # The level a decision is made at is the requests in flight then.
+    levelled.schedule(req("x", 500), now=now)
+    assert levelled.load_level() == 1
+    d = levelled.schedule(req("y", 500), now=now)
+    assert levelled.inflight["y"].load_level == 1
+    assert levelled.inflight["y"].ttft_bias_s == pytest.approx(0.010)
+    assert d.predicted_ttft_s == pytest.approx(d.t_queue + d.t_prefill + d.t_transfer + 0.010)
+
+
+def test_a_load_level_not_seen_for_a_while_returns_to_the_nodes_bias():
+    s = make_sched(ttft_bias_alpha=1.0, ttft_bias_half_life_s=10.0, ttft_bias_load_bounds=(1, 3))
+    now = finish_at_level(s, "a", 0, 0.004, 0.0)       # node 4 ms, level 0: +4 ms beyond 0
+    now = finish_at_level(s, "b", 1, 0.010, now)       # node 10 ms, level 1: beyond the node's
+    offset = 0.010 - 0.004 * 0.5 ** (0.51 / 10)        # 4 ms, decayed over b's 0.51 s
+    assert s.ttft_bias(now, "p0", 1) == pytest.approx(0.010 + offset)
+    assert s.ttft_bias(now, "p0", 2) == s.ttft_bias(now, "p0") == pytest.approx(0.010)  # unseen
+    later = now + 10.0                                  # one half-life: both halve
+    assert s.ttft_bias(later, "p0", 1) == pytest.approx(0.005 + offset / 2)
+
+
+def test_load_bounds_must_be_increasing_counts():
+    for bad in [(0,), (2, 1), (1, 1)]:
+        with pytest.raises(ValueError, match="ttft_bias_load_bounds"):
+            SchedulerConfig(ttft_bias_load_bounds=bad)
+    assert SchedulerConfig(ttft_bias_load_bounds=[1, 2, 4]).ttft_bias_load_bounds == (1, 2, 4)

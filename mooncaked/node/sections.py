@@ -97,6 +97,12 @@ class ConductorSection:
     # decode work still to come, so its predictions hold worst); "always",
     # chosen by predicted TTFT like any node.
     borrowed_prefill: str = "overflow"
+    # The learned TTFT bias is also kept per load level: the requests in
+    # flight when a request is scheduled, split at these counts ([1, 2, 4]:
+    # 0, 1, 2-3, 4 or more; empty: one bias per prefill node).  What the
+    # estimators miss (relaying other requests' tokens, reservations and RPCs
+    # on busy event loops) grows with that load.
+    ttft_bias_load_bounds: list[int] = field(default_factory=lambda: [1, 2, 4])
 
     def __post_init__(self) -> None:
         if self.borrowed_prefill not in BORROWED_PREFILL_USES:
@@ -106,6 +112,10 @@ class ConductorSection:
             raise ValueError("conductor.ttft_slo_s and conductor.tbt_slo_ms must be positive")
         if self.choose_error_margin < 0:
             raise ValueError("conductor.choose_error_margin must be >= 0")
+        bounds = self.ttft_bias_load_bounds
+        if any(b < 1 for b in bounds) or bounds != sorted(set(bounds)):
+            raise ValueError("conductor.ttft_bias_load_bounds must be increasing counts >= 1, "
+                             f"got {bounds}")
         if self.kvcache_balancing_threshold < 1.0:
             raise ValueError("conductor.kvcache_balancing_threshold must be >= 1.0")
         if self.max_prompt_tokens <= 0 or self.max_request_bytes <= 0 or self.max_tokens_default <= 0:

@@ -5,6 +5,7 @@ an argument; nothing here blocks, sleeps or does I/O.
 """
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -70,6 +71,16 @@ class SchedulerConfig:
     # estimators miss is skewed (RPCs of a few ms, now and then a stall of
     # tens): the mean sat ~1 ms above what most requests missed at low load.
     ttft_bias_rule: str = "mean"
+    # Non-empty: the bias is also learned per load level, the number of
+    # requests in flight (admitted, decode not finished) when a request is
+    # scheduled, split at these counts ((1, 2, 4): 0, 1, 2-3, 4 or more).
+    # What the estimators miss grows with the load beside the request - the
+    # relaying of other requests' tokens, reservations and RPCs queued on
+    # busy event loops: on trace-gen at 4x it was 4.7 ms with nothing else in
+    # flight and 7-11 ms with one to three requests (stop 26), so one bias
+    # over all loads sat too high for the quiet requests and too low for the
+    # busy ones.  A level without a record of its own uses the node's bias.
+    ttft_bias_load_bounds: tuple[int, ...] = ()
     # Admit only predictions within this share of each SLO: on shared cores a
     # prediction just under the SLO is a coin flip.
     slo_admit_fraction: float = 1.0
@@ -149,6 +160,10 @@ class SchedulerConfig:
             raise ValueError("ttft_margin_errors must be >= 0")
         if self.choose_error_margin < 0:
             raise ValueError("choose_error_margin must be >= 0")
+        bounds = tuple(self.ttft_bias_load_bounds)
+        if any(not isinstance(b, int) or b < 1 for b in bounds) or list(bounds) != sorted(set(bounds)):
+            raise ValueError("ttft_bias_load_bounds must be increasing counts >= 1")
+        self.ttft_bias_load_bounds = bounds
 
 
 @dataclass
@@ -157,6 +172,7 @@ class _Inflight:
     req: ScheduleRequest
     scheduled_at: float
     ttft_bias_s: float = 0.0  # included in decision.predicted_ttft_s
+    load_level: int = 0       # Scheduler.load_level when it was scheduled
 
 
 class Scheduler:
@@ -195,9 +211,13 @@ class Scheduler:
         self._ttft_bias_s = 0.0
         self._ttft_bias_at = 0.0
         self._node_ttft_bias: dict[str, tuple[float, float]] = {}
+        # ... and per (prefill node, load level) (ttft_bias_load_bounds), as
+        # (offset from the node's bias, when last updated): a level not seen
+        # for a while returns to the node's bias, not to 0.
+        self._level_ttft_offset: dict[tuple[str, int], tuple[float, float]] = {}
         # The "median" rule's step scale: recent mean |sample - bias|, per
-        # prefill node and (key None) over all.
-        self._ttft_bias_spread: dict[str | None, float] = {}
+        # prefill node, per (node, load level) and (key None) over all.
+        self._ttft_bias_spread: dict[str | tuple[str, int] | None, float] = {}
 
     # ---- membership ---------------------------------------------------
     def add_prefill_node(self, node: str, cache_capacity_blocks: int = 0,
@@ -260,6 +280,7 @@ class Scheduler:
         matches = {n: b for n, b in self.index.longest_prefix_per_node(req.block_keys).items()
                    if n in alive}
         busy: dict[str, list[borrowed.Interval]] = {}
+        level = self.load_level()
 
         def busy_of(node: str) -> list[borrowed.Interval]:
             # Worked out once per decision, and only for a node priced as yielding.
@@ -284,7 +305,7 @@ class Scheduler:
             node_prefill_s=lambda node, n, p: self.estimator_for(node).seconds(n, p),
             transferable=lambda node: not self.prefill[node].group_members,
             wall_s=wall_s,
-            extra_s=(lambda node: self.ttft_bias(now, node) + self.config.choose_error_margin
+            extra_s=(lambda node: self.ttft_bias(now, node, level) + self.config.choose_error_margin
                      * self.node_mean_abs_error(node)) if self.config.choose_error_margin > 0
             else None)
 
@@ -477,7 +498,8 @@ class Scheduler:
     def _admits(self, plan: PrefillPlan, now: float) -> bool:
         """The plan's TTFT, with the node's learned bias, is within the
         node's admit limit."""
-        return plan.ttft + self.ttft_bias(now, plan.node) <= self.ttft_admit_limit(plan.node, now)
+        return plan.ttft + self.ttft_bias(now, plan.node, self.load_level()) \
+            <= self.ttft_admit_limit(plan.node, now)
 
     def _admissible_plan(self, ctx: PlanContext, plan: PrefillPlan) -> PrefillPlan:
         """With TTFT limits learned per node (ttft_margin_errors), the
@@ -513,7 +535,8 @@ class Scheduler:
         cfg = self.config
         # The bias moves the chosen node's prediction, not the choice (which
         # stays Algorithm 1's queue + transfer + prefill).
-        bias = self.ttft_bias(now, plan.node)
+        level = self.load_level()
+        bias = self.ttft_bias(now, plan.node, level)
         ttft = plan.ttft + bias
         dnode, tbt = self.select_decode(req, now, ttft)
         if dnode is None:
@@ -547,7 +570,7 @@ class Scheduler:
             arrivals.append((now, req.expected_output_tokens))
         dnode.batch_size += 1
         dnode.context_tokens += tokens
-        self.inflight[req.request_id] = _Inflight(decision, req, now, bias)
+        self.inflight[req.request_id] = _Inflight(decision, req, now, bias, level)
         return decision
 
     # ---- feedback from execution ----------------------------------------
@@ -629,8 +652,16 @@ class Scheduler:
             # event loop behind decode bursts) is not another's.  (Its old
             # value is read first: without a record of its own it is the
             # bias over all nodes as it was before this sample.)
-            self._node_ttft_bias[node] = (self._biased(node, self.ttft_bias(now, node), missed),
-                                          now)
+            node_bias = self.ttft_bias(now, node)
+            if self.config.ttft_bias_load_bounds:
+                # The level's offset follows what its requests miss beyond
+                # the node's bias as it stood for them (measured against
+                # the node's bias after this sample, the node's own step
+                # would cancel the level's).
+                key = (node, inf.load_level)
+                level_bias = self._biased(key, self.ttft_bias(now, node, inf.load_level), missed)
+                self._level_ttft_offset[key] = (level_bias - node_bias, now)
+            self._node_ttft_bias[node] = (self._biased(node, node_bias, missed), now)
             self._ttft_bias_s = self._biased(None, self.ttft_bias(now), missed)
             self._ttft_bias_at = now
         self.ttft_errors.append(error)
@@ -640,13 +671,19 @@ class Scheduler:
         self._ttft_error_sum += error
         self._ttft_error_abs_sum += abs(error)
 
-    def _biased(self, key: str | None, bias: float, missed: float) -> float:
-        """The bias of ``key`` (a prefill node; None: over all) after the
+    def _biased(self, key: str | tuple[str, int] | None, bias: float, missed: float) -> float:
+        """The bias of ``key`` (a prefill node, a (node, load level); None:
+        over all) after the
         sample ``missed``, by ttft_bias_rule; never below 0."""
         alpha = self.config.ttft_bias_alpha
         if self.config.ttft_bias_rule == "mean":
             return max(0.0, (1 - alpha) * bias + alpha * missed)
-        spread = (1 - alpha) * self._ttft_bias_spread.get(key, 0.0) + alpha * abs(missed - bias)
+        # A new key starts from the spread of what it refines (a load level
+        # from its node's, a node from the one over all): started from 0 its
+        # steps would be too small to move for tens of samples.
+        known = self._ttft_bias_spread
+        start = known.get(key[0] if isinstance(key, tuple) else None, known.get(None, 0.0))
+        spread = (1 - alpha) * known.get(key, start) + alpha * abs(missed - bias)
         self._ttft_bias_spread[key] = spread
         step = TTFT_BIAS_MEDIAN_STEP * spread
         return max(0.0, bias + step if missed > bias else bias - step)
@@ -675,13 +712,26 @@ class Scheduler:
         margin = default + (learned - default) * 0.5 ** (idle / cfg.ttft_margin_half_life_s)
         return max(0.0, cfg.ttft_slo_s - margin)
 
-    def ttft_bias(self, now: float, node: str | None = None) -> float:
+    def load_level(self) -> int:
+        """Which of ttft_bias_load_bounds' levels the requests in flight now
+        fall in (0: below the first bound)."""
+        return bisect.bisect_right(self.config.ttft_bias_load_bounds, len(self.inflight))
+
+    def ttft_bias(self, now: float, node: str | None = None, level: int | None = None) -> float:
         """The learned TTFT bias at `now` (0 unless ttft_bias_alpha > 0): of
-        prefill node ``node`` once it has finished a request, else over all."""
-        value, at = self._node_ttft_bias.get(node, (self._ttft_bias_s, self._ttft_bias_at)) \
-            if node is not None else (self._ttft_bias_s, self._ttft_bias_at)
-        age = max(0.0, now - at)
-        return value * 0.5 ** (age / self.config.ttft_bias_half_life_s)
+        prefill node ``node`` once it has finished a request (else over all),
+        plus what requests scheduled at load level ``level`` missed beyond
+        that (decaying to nothing while none of that level finishes)."""
+        half_life = self.config.ttft_bias_half_life_s
+        if node is not None:
+            value, at = self._node_ttft_bias.get(node, (self._ttft_bias_s, self._ttft_bias_at))
+        else:
+            value, at = self._ttft_bias_s, self._ttft_bias_at
+        bias = value * 0.5 ** (max(0.0, now - at) / half_life)
+        if node is not None and level is not None and (node, level) in self._level_ttft_offset:
+            offset, at = self._level_ttft_offset[(node, level)]
+            bias = max(0.0, bias + offset * 0.5 ** (max(0.0, now - at) / half_life))
+        return bias
 
     def on_transfer_finished(self, source: str, nbytes: int, seconds: float) -> None:
         self.transfer_est.observe(source, nbytes, seconds)

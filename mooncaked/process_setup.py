@@ -27,6 +27,9 @@ import os
 import signal
 import sys
 
+USAGE = ("usage: python -m mooncaked.process_setup [--parent PID] [--cpus 0,1] [--idle] -- CMD...\n"
+         "  (what `mooncaked up` runs each node under: arms the death signal for PID,\n"
+         "  pins to the CPUs, SCHED_IDLE, then execs CMD)")
 PR_SET_PDEATHSIG = 1
 # Exit code when the launcher died before the death signal was armed (the
 # child would otherwise be left behind with nobody to stop it).
@@ -82,14 +85,22 @@ def parse(argv: list[str]) -> tuple[int | None, frozenset[int] | None, bool, lis
     args = list(argv)
     while args and args[0] != "--":
         flag = args.pop(0)
-        if flag == "--parent" and args:
-            parent = int(args.pop(0))
-        elif flag == "--cpus" and args:
-            cpus = frozenset(int(cpu) for cpu in args.pop(0).split(","))
-        elif flag == "--idle":
+        try:
+            if flag == "--parent" and args:
+                parent = int(args.pop(0))
+                continue
+            if flag == "--cpus" and args:
+                cpus = frozenset(int(cpu) for cpu in args.pop(0).split(","))
+                continue
+        except ValueError:
+            raise SystemExit(f"mooncaked.process_setup: {flag} takes integers\n{USAGE}") from None
+        if flag == "--idle":
             idle = True
+        elif flag in ("-h", "--help"):
+            print(USAGE)
+            raise SystemExit(0)
         else:
-            raise SystemExit(f"mooncaked.process_setup: unknown or incomplete flag {flag!r}")
+            raise SystemExit(f"mooncaked.process_setup: unknown or incomplete flag {flag!r}\n{USAGE}")
     if not args or len(args) < 2:
         raise SystemExit("mooncaked.process_setup: no command after --")
     return parent, cpus, idle, args[1:]
@@ -103,7 +114,10 @@ def main(argv: list[str] | None = None) -> None:
         os.sched_setaffinity(0, cpus)
     if idle:
         idle_priority()
-    os.execvp(cmd[0], cmd)
+    try:
+        os.execvp(cmd[0], cmd)
+    except OSError as exc:
+        raise SystemExit(f"mooncaked.process_setup: cannot run {cmd[0]!r}: {exc.strerror}") from None
 
 
 if __name__ == "__main__":

@@ -56,6 +56,15 @@ def test_bad_wrapper_flags_are_refused_with_a_message():
     done = subprocess.run([sys.executable, "-m", "mooncaked.process_setup", "--idle", "--"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "no command" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "mooncaked.process_setup", "--cpus", "0,x", "--",
+                           "true"], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "--cpus takes integers" in done.stderr
+    done = subprocess.run(process_setup.command(["/nonexistent/node"]),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "cannot run '/nonexistent/node'" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "mooncaked.process_setup", "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "--cpus" in done.stdout
 
 
 # Fork handlers run in a child only when code runs there between fork and

@@ -85,23 +85,23 @@ def parse(argv: list[str]) -> tuple[int | None, frozenset[int] | None, bool, lis
     args = list(argv)
     while args and args[0] != "--":
         flag = args.pop(0)
-        try:
-            if flag == "--parent" and args:
-                parent = int(args.pop(0))
-                continue
-            if flag == "--cpus" and args:
-                cpus = frozenset(int(cpu) for cpu in args.pop(0).split(","))
-                continue
-        except ValueError:
-            raise SystemExit(f"mooncaked.process_setup: {flag} takes integers\n{USAGE}") from None
-        if flag == "--idle":
-            idle = True
-        elif flag in ("-h", "--help"):
+        if flag in ("-h", "--help"):
             print(USAGE)
             raise SystemExit(0)
-        else:
+        if flag == "--idle":
+            idle = True
+            continue
+        if flag not in ("--parent", "--cpus") or not args:
             raise SystemExit(f"mooncaked.process_setup: unknown or incomplete flag {flag!r}\n{USAGE}")
-    if not args or len(args) < 2:
+        value = args.pop(0)
+        try:
+            if flag == "--parent":
+                parent = int(value)
+            else:
+                cpus = frozenset(int(cpu) for cpu in value.split(","))
+        except ValueError:
+            raise SystemExit(f"mooncaked.process_setup: {flag} takes integers\n{USAGE}") from None
+    if len(args) < 2:
         raise SystemExit("mooncaked.process_setup: no command after --")
     return parent, cpus, idle, args[1:]
 

@@ -673,8 +673,7 @@ class Scheduler:
 
     def _biased(self, key: str | tuple[str, int] | None, bias: float, missed: float) -> float:
         """The bias of ``key`` (a prefill node, a (node, load level); None:
-        over all) after the
-        sample ``missed``, by ttft_bias_rule; never below 0."""
+        over all) after the sample ``missed``, by ttft_bias_rule; never below 0."""
         alpha = self.config.ttft_bias_alpha
         if self.config.ttft_bias_rule == "mean":
             return max(0.0, (1 - alpha) * bias + alpha * missed)

@@ -6,6 +6,8 @@ head_dim]`` (the layout of kvstore/layout.py). The KV of token position
 ``pos % block_size``. Attention writes the new tokens' K/V into their slots
 first and then reads the whole context ``[0, end)`` back from the pages, so a
 prefix that another node or the store put into pages is attended to in place.
+A decode step may read a sequence's contiguous copy of the same KV instead
+(``SeqKV``, model/decode_kv.py), still writing the pages as well.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from model.config import ModelConfig
+from model.decode_kv import SeqKV
 from model.weights import LayerWeights
 
 # Called once a layer's K/V of the tokens being computed is in the pages.
@@ -202,7 +205,8 @@ def prefill_layer(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer: int,
 def decode_layer(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer: int,
                  kv_pages: torch.Tensor, block_tables: Sequence[torch.Tensor],
                  ends: Sequence[int], token_pages: torch.Tensor, token_slots: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                 cos: torch.Tensor, sin: torch.Tensor,
+                 mirrors: Sequence[SeqKV | None] | None = None) -> torch.Tensor:
     """One decoder layer for B requests, one new token each.
 
     x: [B, hidden]; ends[b]: the position of request b's new token;
@@ -216,13 +220,24 @@ def decode_layer(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer: int,
     B x the longest context in copies and scores: with the mixed lengths of
     a continuous batch that was 4-5x slower on CPU, and a padded slot's
     stale bytes had to be zeroed first.
+
+    mirrors[b], if given and not None: request b's contiguous KV
+    (model/decode_kv.py), holding [0, ends[b]) already (``SeqKV.sync``);
+    the new token's K/V goes into it as well as into the pages, and
+    attention reads it instead of gathering the pages: the same values in
+    the same [kv_heads, L, hd] shape, so the same result.
     """
     bsz = x.shape[0]
     q, k, v = _qkv(rms_norm(x, w.attn_norm, c.rms_eps), w, c, cos, sin)
     write_kv(kv_pages, layer, token_pages, token_slots, k, v)
     outs = []
     for b in range(bsz):
-        keys, values = gather_kv(kv_pages, layer, block_tables[b], ends[b] + 1)
+        mirror = mirrors[b] if mirrors is not None else None
+        if mirror is None:
+            keys, values = gather_kv(kv_pages, layer, block_tables[b], ends[b] + 1)
+        else:
+            mirror.put(layer, ends[b], k[b], v[b])
+            keys, values = mirror.context(layer, ends[b] + 1)
         outs.append(F.scaled_dot_product_attention(
             q[b, :, None, :][None], keys[None], values[None], enable_gqa=True))  # [1, heads, 1, hd]
     out = torch.cat(outs)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from kvstore.layout import PageLayout
 from model.config import RuntimeConfig, page_layout
+from model.decode_kv import SeqKV
 from model.llama import (Rope, VarlenSeq, decode_layer, prefill_layer, prefill_layer_varlen,
                          chunk_mask, rms_norm)
 from model.weights import TORCH_DTYPES, ModelWeights, load_weights
@@ -29,6 +30,10 @@ class DecodeSeq(NamedTuple):
     token_id: int  # the last token, whose KV this step computes and stores
     position: int  # its position: the request's KV in pages covers [0, position)
     block_table: Sequence[int]  # page ids covering [0, position]
+    # The sequence's contiguous KV (capacity > position), kept across steps by
+    # the caller: attention reads it instead of gathering the pages.  None:
+    # gathered from the pages, as always.
+    mirror: SeqKV | None = None
 
 
 def kv_pages_view(buffer, layout: PageLayout) -> torch.Tensor:
@@ -260,6 +265,11 @@ class ModelRunner:
         Each sequence's last token is run at its position, its KV written to
         page ``block_table[position // block_size]``; sequences may have any
         lengths and block tables, but no two may share a written slot.
+
+        A sequence with a ``mirror`` has it brought up to its position from
+        the pages first (a copy only on its first step with that mirror), gets
+        the new token's KV in it too, and attends over it; the logits are the
+        same as without one.  No two sequences may share a mirror.
         """
         if not seqs:
             raise ValueError("decode_step needs at least one sequence")
@@ -270,6 +280,11 @@ class ModelRunner:
         if any(not 0 <= p < c.max_position for p in positions):
             raise ValueError(f"positions must be in [0, {c.max_position}): {positions}")
         tables = [self._block_table(s.block_table, s.position + 1) for s in seqs]
+        mirrors = [s.mirror for s in seqs]
+        self._check_mirrors(seqs)
+        for s, table in zip(seqs, tables):
+            if s.mirror is not None:
+                s.mirror.sync(self.kv_pages, table, s.position)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         token_pages = torch.stack([t[p // self.block_size] for t, p in zip(tables, positions)])
         token_slots = pos % self.block_size
@@ -277,5 +292,23 @@ class ModelRunner:
         x = F.embedding(torch.tensor([s.token_id for s in seqs], device=self.device), w.embed)
         for i, lw in enumerate(w.layers):
             x = decode_layer(x, lw, c, w.first_layer + i, self.kv_pages, tables, positions,
-                             token_pages, token_slots, cos, sin)
+                             token_pages, token_slots, cos, sin, mirrors)
+        for s in seqs:
+            if s.mirror is not None:
+                s.mirror.advance(s.position)
         return self._logits(x)
+
+    def _check_mirrors(self, seqs: Sequence[DecodeSeq]) -> None:
+        """All checks before any mirror is touched: a refused step changes nothing."""
+        mirrored = [s for s in seqs if s.mirror is not None]
+        if len({id(s.mirror) for s in mirrored}) != len(mirrored):
+            raise ValueError("two sequences of a decode step share a mirror")
+        for s in mirrored:
+            m = s.mirror
+            if not m.matches(self.kv_pages):
+                raise ValueError(f"mirror of shape {tuple(m.kv.shape)} ({m.kv.dtype}) does not "
+                                 f"match the pages {tuple(self.kv_pages.shape)} "
+                                 f"({self.kv_pages.dtype})")
+            if s.position >= m.capacity:
+                raise ValueError(f"position {s.position} beyond the mirror's capacity "
+                                 f"{m.capacity}")

@@ -40,11 +40,20 @@ def test_lists_and_bools_from_strings():
     ("node.heartbeat_timeout_s=abc", "node.heartbeat_timeout_s"),
     ("node.nope=1", "node.nope"),
     ("justakey", "section.key=value"),
+    ("decode.contiguous_kv_mb=-1", "decode.contiguous_kv_mb"),
+    ("decode.contiguous_kv_mb=lots", "decode.contiguous_kv_mb"),
 ])
 def test_errors_name_the_key(override, needle):
     with pytest.raises(ConfigError) as err:
         load_config(env={}, overrides=[override])
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_decode_contiguous_kv_mb_defaults_on_and_0_turns_it_off():
+    assert NodeConfig().decode.contiguous_kv_mb == 512
+    assert load_config(env={}, overrides=["decode.contiguous_kv_mb=0"]).decode.contiguous_kv_mb == 0
+    cfg = load_config(env={"MOONCAKED_DECODE__CONTIGUOUS_KV_MB": "64"})
+    assert cfg.decode.contiguous_kv_mb == 64
 
 
 def test_redacted_hides_secrets_only():

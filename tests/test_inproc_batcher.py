@@ -5,13 +5,16 @@ tiny model's ``ModelRunner`` viewing the shard's pages, and one compute
 thread.  The test plays the prefill node: it prefills the prompt into the
 reserved pages and hands the first token to ``start``.  Expected tokens come
 from an independent single-sequence greedy decode (``reference_greedy``:
-its own weights and buffer, no batcher).
+its own weights and buffer, no batcher).  Sequences decode over contiguous KV
+mirrors (model/decode_kv.py) as on a node with decode.contiguous_kv_mb > 0,
+unless a test gives the batcher a smaller budget.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -40,10 +43,16 @@ class TinyWorker:
         # One entry per decode step: the first page of every sequence in it
         # (a reservation's pages are its own, so this names the sequence).
         self.batches: list[list[int]] = []
+        # Per step, the capacity of each sequence's mirror (None: gathered).
+        self.mirrors: list[list[int | None]] = []
+
+    def record(self, seqs) -> None:
+        self.batches.append([seq.block_table[0] for seq in seqs])
+        self.mirrors.append([seq.mirror and seq.mirror.capacity for seq in seqs])
 
     async def compute(self, fn, *args):
         if fn == self.runner.decode_step:
-            self.batches.append([seq.block_table[0] for seq in args[0]])
+            self.record(args[0])
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
 
@@ -52,9 +61,11 @@ async def make_batcher(tiny_weights):
     made: list[tuple[DecodeBatcher, TinyWorker]] = []
 
     def make(pages: int = 64, max_batch: int = 8, reservation_timeout_s: float = 60.0,
-             eos_ids: tuple[int, ...] = ()) -> tuple[DecodeBatcher, TinyWorker]:
+             eos_ids: tuple[int, ...] = (), contiguous_kv_bytes: int = 64 << 20
+             ) -> tuple[DecodeBatcher, TinyWorker]:
         worker = TinyWorker(tiny_weights, pages)
-        batcher = DecodeBatcher(worker, max_batch, reservation_timeout_s, list(eos_ids))
+        batcher = DecodeBatcher(worker, max_batch, reservation_timeout_s, list(eos_ids),
+                                contiguous_kv_bytes)
         batcher.run()
         made.append((batcher, worker))
         return batcher, worker
@@ -138,6 +149,7 @@ async def test_one_sequence_decodes_the_reference_tokens(make_batcher):
     assert [first, *streamed] == reference_greedy("tiny", prompt, 12)
     assert finish == "length"
     assert batcher.steps == 11 and len(worker.batches) == 11  # the first token was prefill's
+    assert worker.mirrors == [[37 + 12]] * 11                 # prompt + max_tokens positions
     assert batcher.tokens_out == 12
     # Finished, but the pages stay reserved until the caller releases them.
     assert batcher.load()["batch_size"] == 0 and batcher.load()["reservations"] == 1
@@ -279,8 +291,10 @@ async def test_close_releases_every_reservation_and_ends_every_stream(make_batch
     first = await prefill(batcher, worker, "running", prompt, 100)
     queue = batcher.start("running", len(prompt), first, greedy(100))
     await drain(queue, until=2)
+    assert batcher.load()["mirrored"] == 1
     await batcher.close()
     assert batcher.seqs == {} and free_pages(batcher) == 16
+    assert batcher.mirror_bytes == 0 and batcher.load()["mirrored"] == 0
     _, why = await drain(queue)
     assert why == "released"
 
@@ -295,6 +309,7 @@ class GatedWorker(TinyWorker):
 
     async def compute(self, fn, *args):
         if fn == self.runner.decode_step:
+            self.record(args[0])
             def gated(*a):
                 self.in_step.set()
                 self.gate.wait(10)
@@ -353,3 +368,78 @@ async def test_load_report_names_each_sequence_and_recent_steps(make_batcher):
     await drain(queue)
     batcher.release("r", "length")
     assert batcher.load()["sequences"] == []
+
+
+# ---- contiguous KV mirrors -------------------------------------------------------
+
+def positions_bytes(weights, positions: int) -> int:
+    """What a mirror of that many positions takes: all layers' K and V."""
+    return page_layout(weights.config, BLOCK).kv_bytes_per_token * positions
+
+
+async def test_mirrors_only_within_the_budget_the_rest_gathers_until_room_is_freed(
+        make_batcher, tiny_weights):
+    # The budget holds 64 positions: a (16 = prompt 10 + 6 tokens) fits, b
+    # (60) does not beside it, so b decodes from its pages until a has
+    # finished, then gets a mirror (filled from prompt + what it decoded so far).
+    budget = positions_bytes(tiny_weights, 64)
+    batcher, worker = make_batcher(pages=32, contiguous_kv_bytes=budget)
+    reqs = {"a": (tokens(10, 40), 6), "b": (tokens(30, 41), 30)}
+    firsts = {rid: await prefill(batcher, worker, rid, p, n) for rid, (p, n) in reqs.items()}
+    queues = {rid: batcher.start(rid, len(p), firsts[rid], greedy(n)) for rid, (p, n) in reqs.items()}
+    early, _ = await drain(queues["a"], until=2)
+    load = batcher.load()
+    assert (load["mirrored"], load["mirror_bytes"], load["mirror_budget_bytes"]) == \
+        (1, positions_bytes(tiny_weights, 16), budget)
+    got = {"a": [firsts["a"], *early], "b": [firsts["b"]]}
+    for rid, (prompt, n) in reqs.items():
+        streamed, finish = await drain(queues[rid])
+        got[rid] += streamed
+        assert got[rid] == reference_greedy("tiny", prompt, n) and finish == "length", rid
+    # a's 5 steps with its mirror beside b gathering; then b alone, mirrored.
+    assert worker.mirrors == [[16, None]] * 5 + [[60]] * 24
+    assert batcher.mirror_bytes == 0 and batcher.load()["mirrored"] == 0
+
+
+async def test_no_budget_no_mirrors(make_batcher):
+    batcher, worker = make_batcher(contiguous_kv_bytes=0)
+    prompt = tokens(20, seed=42)
+    first = await prefill(batcher, worker, "r", prompt, 8)
+    streamed, _ = await drain(batcher.start("r", len(prompt), first, greedy(8)))
+    assert [first, *streamed] == reference_greedy("tiny", prompt, 8)
+    assert worker.mirrors == [[None]] * 7 and batcher.mirror_bytes == 0
+    with pytest.raises(ValueError, match="contiguous_kv_bytes"):
+        DecodeBatcher(worker, 8, 60.0, [], contiguous_kv_bytes=-1)
+
+
+async def test_a_release_during_the_step_returns_the_mirror_bytes_at_once(tiny_weights):
+    """The bytes go back on the loop at release; the mirror itself lives on
+    until the step that writes it has ended, then nothing holds it (so the
+    memory in use never exceeds the budget by more than one step's worth of
+    released mirrors, and only while that step runs)."""
+    worker = GatedWorker(tiny_weights, pages=16)
+    budget = positions_bytes(tiny_weights, 40)
+    batcher = DecodeBatcher(worker, 8, 60.0, [], contiguous_kv_bytes=budget)
+    batcher.run()
+    try:
+        prompt = tokens(10, seed=43)
+        first = await prefill(batcher, worker, "a", prompt, 30)          # 40 positions
+        batcher.start("a", len(prompt), first, greedy(30))
+        await asyncio.get_running_loop().run_in_executor(None, worker.in_step.wait, 10)
+        mirror = weakref.ref(batcher.seqs["a"].mirror)
+        assert batcher.mirror_bytes == budget
+        assert batcher.release("a", "cancelled")
+        assert batcher.mirror_bytes == 0 and batcher.load()["mirrored"] == 0
+        assert mirror() is not None                   # the step in flight still writes it
+        worker.gate.set()
+        await eventually(lambda: mirror() is None)    # the step ended; the batcher idles
+        # The whole budget is free for the next sequence.
+        second = await prefill(batcher, worker, "b", prompt, 30)
+        streamed, _ = await drain(batcher.start("b", len(prompt), second, greedy(30)))
+        assert [second, *streamed] == reference_greedy("tiny", prompt, 30)
+        assert worker.mirrors[-1] == [40]
+        assert batcher.mirror_bytes == 0              # finished: out of the batch
+    finally:
+        worker.gate.set()
+        await batcher.close()
+        worker.pool.shutdown(wait=True)

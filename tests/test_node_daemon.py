@@ -35,7 +35,8 @@ def cluster(tmp_path):
 def test_every_role_serves_admin_endpoints_and_registers(cluster):
     conductor = cluster("conductor", *FAST)
     conductor.wait_ready()
-    workers = [cluster(role, *FAST, *SMALL, conductor=conductor.url) for role in ("prefill", "decode")]
+    workers = [cluster(role, *FAST, *SMALL, "--set", "decode.contiguous_kv_mb=3",
+                       conductor=conductor.url) for role in ("prefill", "decode")]
     for node in [conductor, *workers]:
         node.wait_ready()
         assert get_json(node.url + "/healthz")[0] == 200
@@ -46,6 +47,9 @@ def test_every_role_serves_admin_endpoints_and_registers(cluster):
         assert body["config"]["node"]["role"] == node.role
         # Start-up's objects are out of the collector's walks (gc_tuning.py).
         assert body["gc"]["frozen_objects"] > 10000
+        if node.role == "decode":  # the config's budget reached the batcher
+            assert body["decode"]["mirror_budget_bytes"] == 3 << 20
+            assert body["decode"]["mirror_bytes"] == 0
         with __import__("urllib.request").request.urlopen(node.url + "/metrics") as resp:
             text = resp.read().decode()
         assert f'mooncaked_node_info{{role="{node.role}"' in text

@@ -174,12 +174,19 @@ class DecodeSection:
     # A reservation whose KV has not fully arrived after this long is freed
     # (covers a prefill node that died mid-request).
     reservation_timeout_s: float = 60.0
+    # Memory (MiB) for contiguous copies of running sequences' KV
+    # (model/decode_kv.py): a sequence given one attends over it instead of
+    # gathering its pages every step (on CPU the gather was most of a step).
+    # A sequence that does not fit decodes from the pages.  0 = never.
+    contiguous_kv_mb: int = 512
 
     def __post_init__(self) -> None:
         if self.max_batch <= 0:
             raise ValueError("decode.max_batch must be positive")
         if self.reservation_timeout_s <= 0:
             raise ValueError("decode.reservation_timeout_s must be positive")
+        if self.contiguous_kv_mb < 0:
+            raise ValueError("decode.contiguous_kv_mb must be >= 0")
 
 
 @dataclass

@@ -120,7 +120,8 @@ def add_decode_service(app: web.Application, ctx: NodeContext) -> None:
         cfg = ctx.config
         worker = app[WORKER]
         eos = load_tokenizer(cfg.model.model).eos_token_ids
-        batcher = DecodeBatcher(worker, cfg.decode.max_batch, cfg.decode.reservation_timeout_s, eos)
+        batcher = DecodeBatcher(worker, cfg.decode.max_batch, cfg.decode.reservation_timeout_s, eos,
+                                contiguous_kv_bytes=cfg.decode.contiguous_kv_mb << 20)
         install_write_guard(worker, batcher)
         app[BATCHER] = batcher
         batcher.run()

@@ -22,6 +22,17 @@ A reservation whose ``generate`` never comes is freed after
 ``reservation_timeout_s`` without a ``touch`` (the conductor touches it while
 the request's prefill is queued or running, so only a dead conductor or a
 lost request lets it expire).
+
+A running sequence also gets a contiguous copy of its KV (a ``SeqKV``
+"mirror", model/decode_kv.py) while ``contiguous_kv_bytes`` has room for one
+of prompt_len + max_tokens positions: its decode steps then attend over that
+copy instead of gathering its pages every step (the same logits; on CPU the
+gather was most of a step).  One that does not fit runs on the gather path
+and gets a mirror at a later step if the room is freed.  Mirrors are created
+and dropped on the event loop only, so the budget needs no lock: a sequence
+loses its mirror when it leaves the running batch (finished, released,
+shutdown); a step in flight keeps its own reference to the mirror until it
+ends, so dropping it during the step frees nothing the step still writes.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from model.decode_kv import SeqKV
 from model.runner import DecodeSeq
 from model.sampling import SamplingParams, sample
 from mooncaked.node.messages import DecodeSeqLoad, DecodeStepSample
@@ -62,6 +74,7 @@ class Sequence:
     out: asyncio.Queue | None = None
     finished: str | None = None
     started: bool = False
+    mirror: SeqKV | None = None  # only while running, within the batcher's budget
 
     @property
     def position(self) -> int:
@@ -79,7 +92,9 @@ class _Fence:
 
 class DecodeBatcher:
     def __init__(self, worker: WorkerNode, max_batch: int, reservation_timeout_s: float,
-                 eos_ids: list[int]) -> None:
+                 eos_ids: list[int], contiguous_kv_bytes: int = 0) -> None:
+        if contiguous_kv_bytes < 0:
+            raise ValueError(f"contiguous_kv_bytes must be >= 0, got {contiguous_kv_bytes}")
         self.worker = worker
         self.shard = worker.shard
         self.bs = worker.layout.block_size
@@ -103,6 +118,10 @@ class DecodeBatcher:
         self.step_samples: deque[DecodeStepSample] = deque(maxlen=REPORTED_STEPS)
         self.tokens_out = 0
         self.steps = 0
+        # Invariant: mirror_bytes == the sum of the running sequences' mirrors'
+        # nbytes <= mirror_budget (0: no mirrors).
+        self.mirror_budget = contiguous_kv_bytes
+        self.mirror_bytes = 0
 
     # -- reservations -----------------------------------------------------
     def reserve(self, request_id: str, total_tokens: int) -> list[int]:
@@ -131,7 +150,7 @@ class DecodeBatcher:
             return False
         seq.finished = seq.finished or reason
         if seq in self.running:
-            self.running.remove(seq)
+            self._leave(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
         # Held by this release until the end of it, then by what may still write.
@@ -204,13 +223,18 @@ class DecodeBatcher:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            self._give_mirrors()
             batch = list(self.running)
-            seqs = [DecodeSeq(s.tokens[-1], s.position, s.pages) for s in batch]
             context = sum(s.position + 1 for s in batch)
             t0 = time.perf_counter()
             self._stepping = frozenset(s.request_id for s in batch)
             try:
-                logits = await self.worker.compute(self.worker.runner.decode_step, seqs)
+                # The step's inputs are referenced by the step only: a mirror
+                # dropped during it is freed when it ends, before the next
+                # step's mirrors are allocated.
+                logits = await self.worker.compute(
+                    self.worker.runner.decode_step,
+                    [DecodeSeq(s.tokens[-1], s.position, s.pages, s.mirror) for s in batch])
             finally:
                 self._stepping = frozenset()
                 self._free_fenced()
@@ -227,7 +251,32 @@ class DecodeBatcher:
                 self._emit(seq, token, logprob)
             for seq in batch:
                 if seq.finished is not None and seq in self.running:
-                    self.running.remove(seq)
+                    self._leave(seq)
+
+    def _give_mirrors(self) -> None:
+        """Running sequences without a mirror get one, in the order they
+        joined, while the budget has room for it (filled from the pages by
+        their next step, on the compute thread)."""
+        if self.mirror_bytes >= self.mirror_budget:
+            return
+        kv_pages = self.worker.runner.kv_pages
+        for seq in self.running:
+            if seq.mirror is not None:
+                continue
+            assert seq.sampling is not None  # running sequences have started
+            capacity = seq.prompt_len + seq.sampling.max_tokens  # what its reservation holds
+            need = SeqKV.bytes_for(kv_pages, capacity)
+            if self.mirror_bytes + need <= self.mirror_budget:
+                seq.mirror = SeqKV.like_pages(kv_pages, capacity)
+                self.mirror_bytes += seq.mirror.nbytes
+
+    def _leave(self, seq: Sequence) -> None:
+        """Take a sequence out of the running batch, and its mirror's bytes
+        back into the budget."""
+        self.running.remove(seq)
+        if seq.mirror is not None:
+            self.mirror_bytes -= seq.mirror.nbytes
+            seq.mirror = None
 
     def _free_fenced(self) -> None:
         """The step in flight ended: its released sequences' pages may go."""
@@ -269,6 +318,9 @@ class DecodeBatcher:
                 "recent_tbt_s": times[len(times) // 2] if times else 0.0,
                 "context_tokens": sum(s.position + 1 for s in self.running),
                 "tokens_out": self.tokens_out, "steps": self.steps,
+                # Contiguous KV copies of running sequences (decode.contiguous_kv_mb).
+                "mirrored": sum(s.mirror is not None for s in self.running),
+                "mirror_bytes": self.mirror_bytes, "mirror_budget_bytes": self.mirror_budget,
                 # What the conductor predicts this node's load at a future
                 # instant from: every started sequence and recent steps.
                 "sequences": [self._seq_load(s).to_wire()

@@ -10,7 +10,8 @@ import pytest
 from roles.scheduling import borrowed
 from roles.scheduling.estimators import (DecodeEstimator, PolynomialPrefillEstimator,
                                          TransferEstimator)
-from roles.scheduling.scheduler import ARRIVAL_WINDOW_S, Scheduler, SchedulerConfig
+from roles.scheduling.scheduler import (ARRIVAL_WINDOW_S, YIELD_SHARE_HALF_LIFE_S, Scheduler,
+                                        SchedulerConfig)
 from roles.scheduling.state import NodeReport, RunningSeq, ScheduleRequest
 
 
@@ -146,3 +147,63 @@ def test_a_yielding_node_takes_only_what_the_others_cannot_admit():
     plain = overflow_scheduler(overflow_only=False)
     first = plain.schedule(request("r1"), now=0.0).prefill_node
     assert plain.schedule(request("r2"), now=0.0).prefill_node != first
+
+
+def starving_borrower() -> Scheduler:
+    """b alone, yielding to an idle d0 (no busy intervals: the model gives
+    b the whole core), 0.2 s of work a prefill, node reports counted."""
+    s = Scheduler(SchedulerConfig(policy="mooncake", tbt_slo_s=1.0, ttft_slo_s=1.0,
+                                  per_node_prefill_fit=True, price_yielded_work=True,
+                                  queue_from_bookings=True),
+                  PolynomialPrefillEstimator({"c0": 0.2}, refit_every=1, window=8),
+                  TransferEstimator(1e9), DecodeEstimator(0.01, 0.0, 0.0))
+    s.add_decode_node("d0", page_budget=1000, page_tokens=16)
+    s.add_prefill_node("b", yields_to=("d0",))
+    return s
+
+
+def report_running(s: Scheduler, at: float, running: dict[str, float],
+                   worked: dict[str, float]) -> None:
+    s.on_node_report("b", NodeReport(at=at, queued_prefill_s=0.0,
+                                     prefill_requests=frozenset(running),
+                                     prefill_running_s=running, prefill_worked_s=worked), at)
+
+
+def test_a_borrower_that_gets_less_cpu_than_modelled_is_priced_by_what_it_got():
+    s = starving_borrower()
+    assert s.schedule(request("r1"), now=0.0).prefill_node == "b"
+    # Something the model cannot see takes the core: r1 gets 0.05 s of CPU a second.
+    report_running(s, 1.0, {"r1": 1.0}, {"r1": 0.05})
+    assert s.yield_share("b", 1.0) == 1.0          # one report: no stretch measured yet
+    report_running(s, 2.0, {"r1": 2.0}, {"r1": 0.10})
+    assert s.yield_share("b", 2.0) == pytest.approx(0.05)
+    # 0.1 s of r1's work left, at 0.05 of the modelled pace: r2 (0.2 s of
+    # work) would answer after (0.1 + 0.2) / 0.05 = 6 s: refused.  Priced
+    # at the model's pace it was 0.3 s, and at 2.5 s (r1 "done") 0.2 s.
+    refused = s.schedule(request("r2"), now=2.0)
+    assert refused.reason == "ttft_slo"
+    assert refused.predicted_ttft_s == pytest.approx(6.0)
+    share = 1 - 0.95 * 0.5 ** (0.5 / YIELD_SHARE_HALF_LIFE_S)   # 0.5 s unmeasured
+    assert s.schedule(request("r3"), now=2.5).predicted_ttft_s == pytest.approx(
+        (0.1 - share * 0.5 + 0.2) / share)
+    # Without measurements it moves back halfway to 1 every half-life.
+    assert s.yield_share("b", 12.0) == pytest.approx(1 - 0.95 * 0.5)
+
+
+def test_the_borrowers_share_is_learned_only_over_one_unchanged_pass():
+    s = starving_borrower()
+    s.schedule(request("r1"), now=0.0)
+    s.schedule(request("r2"), now=0.0)
+    report_running(s, 1.0, {"r1": 1.0}, {"r1": 0.05})
+    # r1 ended and r2 started in between: the CPU of neither covers the stretch.
+    report_running(s, 2.0, {"r2": 0.3}, {"r2": 0.01})
+    assert s.yield_share("b", 2.0) == 1.0
+    # At full pace it stays 1 (never above); a low measurement is taken at
+    # once, a higher one halfway.
+    report_running(s, 3.0, {"r2": 1.3}, {"r2": 1.01})
+    assert s.yield_share("b", 3.0) == 1.0
+    report_running(s, 4.0, {"r2": 2.3}, {"r2": 1.21})
+    assert s.yield_share("b", 4.0) == pytest.approx(0.2)
+    report_running(s, 5.0, {"r2": 3.3}, {"r2": 1.81})
+    before = 1 - 0.8 * 0.5 ** (1.0 / YIELD_SHARE_HALF_LIFE_S)   # 1 s of recovery first
+    assert s.yield_share("b", 5.0) == pytest.approx(before + 0.5 * (0.6 - before))

@@ -206,16 +206,21 @@ class ClusterView:
     def status(self) -> dict:
         sched = self.scheduler
         errors = list(sched.ttft_errors)[-100:]
+        now = time.monotonic()
         return {
             "policy": sched.policy.name,
             "indexed_blocks": sum(sched.index.blocks_on(n) for n in sched.prefill),
             "prefill": {n: {"alive": s.alive, "accepting": s.accepting,
-                            "queue_s": round(s.queue_time(time.monotonic(), sched.progress_fn(n)), 4),
+                            "queue_s": round(s.queue_time(now, sched.progress_fn(n, now=now)), 4),
                             "yields_to": list(s.yields_to),
+                            # Of the progress its busy-interval model predicts,
+                            # what a yielding node was measured to get.
+                            "yield_share": round(sched.yield_share(n, now), 4)
+                            if sched.yields(n) else None,
                             "overflow_only": bool(s.yields_to)
                             and sched.config.yielding_overflow_only,
                             "cached_blocks": sched.index.blocks_on(n),
-                            "ttft_admit_limit_s": round(sched.ttft_admit_limit(n, time.monotonic()), 4)}
+                            "ttft_admit_limit_s": round(sched.ttft_admit_limit(n, now), 4)}
                         for n, s in sched.prefill.items()},
             "decode": {n: {"alive": d.alive, "accepting": d.accepting, "batch_size": d.batch_size,
                            "free_pages": d.free_pages}

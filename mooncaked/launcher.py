@@ -98,7 +98,7 @@ class Child:
     env: dict[str, str] | None = None
     cwd: Path | None = None
     cpus: frozenset[int] | None = None   # CPU affinity (mooncaked.placement); None: any
-    idle_priority: bool = False          # SCHED_IDLE (a prefill node borrowing decode CPUs)
+    idle_priority: bool = False          # SCHED_IDLE once started (a prefill node borrowing decode CPUs)
 
     @property
     def url(self) -> str:
@@ -154,8 +154,10 @@ def spawn(name: str, role: str, port: int, args: list[str], log_path: Path,
           env: dict[str, str] | None = None, cwd: Path | None = None,
           cpus: frozenset[int] | None = None, idle_priority: bool = False) -> Child:
     """Start ``mooncaked <args>`` with its output appended to ``log_path``,
-    pinned to ``cpus`` when given, at SCHED_IDLE with ``idle_priority``
-    (inherited by every thread it starts)."""
+    pinned to ``cpus`` when given; with ``idle_priority`` the node drops
+    to SCHED_IDLE once its start-up is done (``node.idle_after_start``):
+    started at idle priority beside a busy process, a borrower got no CPU
+    to import torch and `up` timed out waiting for it."""
 
     # Oversubscribed OpenMP threads that spin while waiting steal the cores
     # the other nodes compute on: make idle ones sleep instead.
@@ -164,8 +166,8 @@ def spawn(name: str, role: str, port: int, args: list[str], log_path: Path,
     with open(log_path, "ab") as log:
         # No preexec_fn: the settings are applied by the child itself
         # (process_setup says why running code between fork and exec crashes).
-        cmd = process_setup.command(mooncaked_cmd(*args), parent=os.getpid(), cpus=cpus,
-                                    idle_priority=idle_priority)
+        node_args = [*args, "--set", "node.idle_after_start=true"] if idle_priority else args
+        cmd = process_setup.command(mooncaked_cmd(*node_args), parent=os.getpid(), cpus=cpus)
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     return Child(name, role, port, log_path, proc, list(args), env, cwd, cpus, idle_priority)
@@ -514,7 +516,8 @@ def register(app: typer.Typer) -> None:
         borrow: bool = typer.Option(
             True, "--borrow/--no-borrow",
             help="With --placement auto (the default): one more prefill node on the decode CPUs "
-                 "at idle priority (SCHED_IDLE, its autogroup at nice 19), computing in the gaps "
+                 "at idle priority (SCHED_IDLE, its autogroup at nice 19, from the end of its "
+                 "start-up on, so a busy core cannot keep it from starting), computing in the gaps "
                  "between decode steps; the kernel preempts it whenever decode or the conductor "
                  "wants the core, so token spacing does not grow. The conductor fits each "
                  "prefill node's speed on its own prefills and gives the borrower only requests "

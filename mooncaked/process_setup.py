@@ -16,8 +16,9 @@ in a fresh interpreter, instead.
 Invariants: everything here is applied while this process has one thread,
 so every thread the node starts later inherits the CPU set and scheduling
 policy; PR_SET_PDEATHSIG, the CPU set, SCHED_IDLE and the autogroup's nice
-all survive ``exec``.  This module imports nothing of mooncaked, so it costs
-one bare interpreter start (tens of milliseconds).
+all survive ``exec``.  This module imports nothing of mooncaked but the
+stdlib-only ``mooncaked.node.priority``, so it costs one bare interpreter
+start (tens of milliseconds).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import ctypes
 import os
 import signal
 import sys
+
+from mooncaked.node.priority import idle_priority
 
 USAGE = ("usage: python -m mooncaked.process_setup [--parent PID] [--cpus 0,1] [--idle] -- CMD...\n"
          "  (what `mooncaked up` runs each node under: arms the death signal for PID,\n"
@@ -61,20 +64,6 @@ def die_with_parent(parent: int) -> None:
     # Armed only now: had the parent gone in between, nobody would signal us.
     if os.getppid() != parent:
         sys.exit(ORPHANED_EXIT)
-
-
-def idle_priority() -> None:
-    """SCHED_IDLE, and nice 19 for this process's autogroup."""
-    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    # The launcher starts each node in its own session, so it is its own
-    # autogroup (when the kernel has autogroups), and the kernel shares a core
-    # between groups by the group's nice, whatever the policy inside: at nice
-    # 0 this node still took half of a busy decode core.
-    try:
-        with open("/proc/self/autogroup", "w") as group:
-            group.write("19")
-    except OSError:
-        pass  # no autogroups: SCHED_IDLE alone already yields
 
 
 def parse(argv: list[str]) -> tuple[int | None, frozenset[int] | None, bool, list[str]]:

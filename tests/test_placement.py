@@ -115,6 +115,15 @@ def execed(child):
     return child
 
 
+def started(child, times: int = 1):
+    """The child once its start-up is done (a conductor with no worker is
+    serving, though not ready); ``times``: the log, shared by a respawned
+    child, must say so that often."""
+    wait_until(lambda: child.output().count(" serving on ") >= times, 60, interval=0.05,
+               what=f"{child.name} serving")
+    return child
+
+
 def test_spawned_child_runs_on_its_cpu_set(tmp_path):
     cpu = max(os.sched_getaffinity(0))
     # A real conductor process: it runs until killed, so its affinity can be read.
@@ -137,16 +146,18 @@ def test_spawned_child_runs_on_its_cpu_set(tmp_path):
         assert os.sched_getscheduler(free.proc.pid) == os.SCHED_OTHER
     finally:
         free.kill()
-    idle = execed(spawn("idle", "conductor", 0, args, tmp_path / "idle.log",
-                        cpus=frozenset({cpu}), idle_priority=True))
+    idle = started(spawn("idle", "conductor", 0, args, tmp_path / "idle.log",
+                       cpus=frozenset({cpu}), idle_priority=True))
     try:
-        assert os.sched_getscheduler(idle.proc.pid) == os.SCHED_IDLE
+        # Every thread it has once started (start-up ran at normal priority).
+        assert {os.sched_getscheduler(int(tid)) for tid in os.listdir(
+            f"/proc/{idle.proc.pid}/task")} == {os.SCHED_IDLE}
         # Its own session is its own autogroup: the group must yield too.
         if os.path.exists(f"/proc/{idle.proc.pid}/autogroup"):
             assert open(f"/proc/{idle.proc.pid}/autogroup").read().split()[-1] == "19"
     finally:
         idle.kill()
-    again = execed(idle.respawn())  # a restarted borrower stays at idle priority
+    again = started(idle.respawn(), times=2)  # a restarted borrower is at idle priority again
     try:
         assert os.sched_getscheduler(again.proc.pid) == os.SCHED_IDLE
     finally:

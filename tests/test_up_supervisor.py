@@ -9,6 +9,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -295,3 +296,38 @@ def test_a_port_is_handed_out_once_though_the_kernel_offers_it_again(monkeypatch
     monkeypatch.setattr(launcher.socket, "socket", Offering)
     monkeypatch.setattr(launcher, "_handed_out", set(), raising=False)
     assert [launcher.free_port(), launcher.free_port()] == [47001, 47002]
+
+
+@pytest.mark.slow  # a `mooncaked up` process beside a busy process
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs: one for prefill, "
+                    "one for decode and the borrower")
+def test_up_starts_its_borrower_though_another_process_keeps_the_decode_cpu_busy(tmp_path):
+    """The borrower (prefill-1 on the decode CPU) used to start at SCHED_IDLE:
+    beside any busy process there it got no CPU to import torch, and `up`
+    gave up after its start timeout.  It starts at normal priority now and
+    drops every thread to SCHED_IDLE once it is up."""
+    from mooncaked.placement import DECODE, place
+
+    cpus = place(sorted(os.sched_getaffinity(0)), prefill=1, decode=1, borrow=True) \
+        .of(DECODE, 0).cpus
+    # A busy program as a user runs one: its own session (so its own
+    # autogroup) at nice 0, on the decode CPU.
+    busy = subprocess.Popen([sys.executable, "-c",
+                             "import os, time\n"
+                             f"os.sched_setaffinity(0, {set(cpus)!r})\n"
+                             "try:\n"
+                             "    open('/proc/self/autogroup', 'w').write('0')\n"
+                             "except OSError:\n"
+                             "    pass\n"
+                             "end = time.monotonic() + 150\n"   # bounded: the test kills it first
+                             "while time.monotonic() < end: pass\n"], start_new_session=True)
+    try:
+        with mooncaked_up(tmp_path) as (up, err):
+            borrower = node_pid(up, "prefill-1")
+            assert borrower is not None, err.read_text()
+            threads = os.listdir(f"/proc/{borrower}/task")
+            assert {os.sched_getscheduler(int(t)) for t in threads} == {os.SCHED_IDLE}
+            assert "idle priority from now on" in (tmp_path / "logs" / "prefill-1.log").read_text()
+    finally:
+        busy.kill()
+        busy.wait()

@@ -26,6 +26,7 @@ from mooncaked.node.config import NodeConfig
 from mooncaked.node.context import CTX, NodeContext
 from mooncaked.node.errors import StartupError, error_middleware, internal_auth_middleware
 from mooncaked.node.gc_tuning import PauseWatch, freeze_startup
+from mooncaked.node.priority import idle_priority
 from mooncaked.node.sdnotify import notify
 
 log = logging.getLogger("mooncaked.runtime")
@@ -89,6 +90,9 @@ async def serve(config: NodeConfig, setup_role: RoleSetup) -> int:
     pauses = PauseWatch()   # from here on: start-up's own collection is no pause
     pauses.install()
     ctx.status_providers["gc"] = pauses.status
+    if config.node.idle_after_start:
+        idle_priority(all_threads=True)
+        log.info("start-up done: idle priority from now on (SCHED_IDLE, autogroup nice 19)")
     ctx.ready = True
     notify("READY=1")
     log.info("%s %s serving on %s", ctx.role, ctx.node_id, ctx.url)

@@ -38,6 +38,12 @@ class NodeSection:
     # Graceful shutdown: in-flight work gets this long before it is failed.
     shutdown_timeout_s: float = 10.0
     log_level: str = "info"
+    # Drop every thread of this process to SCHED_IDLE (and its autogroup to
+    # nice 19) once start-up is done: a node borrowing cores other nodes
+    # have first call on (`up --borrow`).  Start-up itself (imports, weights,
+    # registration) runs at normal priority: at idle priority it got no CPU
+    # beside any other busy process and `up` gave up on it.
+    idle_after_start: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

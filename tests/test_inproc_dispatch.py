@@ -37,6 +37,7 @@ from mooncaked.node.sections import ConductorSection
 from roles.conductor.cluster import ClusterView
 from roles.conductor.dispatch import Dispatcher
 from roles.conductor.metrics import ConductorMetrics
+from roles.scheduling.scheduler import TBT_RATIO_BOUNDS
 from roles.conductor.openai_types import Scheduled, Token
 
 BLOCK = 16
@@ -270,6 +271,7 @@ async def test_events_in_order_and_every_node_gets_the_right_body(conductor_for)
     assert c.sched.prefill["prefill-0"].queue_time(booked.sent_at) == pytest.approx(
         0.01 + 2.5e-4 * 40 + 1.7e-8 * 40 * 40)
     assert c.running_gauge() == 1.0
+    tbt_model = c.sched.inflight["req-1"].tbt_model_s
     events = [scheduled]
     assert await run(gen, events) is None
 
@@ -292,6 +294,14 @@ async def test_events_in_order_and_every_node_gets_the_right_body(conductor_for)
     assert (trace.status, trace.cached_tokens, trace.local_hit_tokens, trace.completion_tokens,
             trace.output_token_ids) == ("ok", 16, 16, 4, [17, 23, 5, 42])
     assert trace.prefill_compute_s == 0.004 and trace.prefill_queue_s == 0.001
+    # The decode node's TBT ratio learned from the stream's token intervals:
+    # the paper's TBT of 3 intervals is the longest one (these stand-ins
+    # answer at once: the ratio is at its lower bound).
+    times = trace.token_times
+    (ratio,) = c.sched._tbt_ratios["decode-0"]
+    longest = max(b - a for a, b in zip(times, times[1:]))
+    low, high = TBT_RATIO_BOUNDS
+    assert tbt_model > 0 and ratio == pytest.approx(min(high, max(low, longest / tbt_model)))
 
 
 async def test_decode_reservation_is_touched_only_while_the_prefill_runs(conductor_for):
@@ -445,6 +455,7 @@ async def test_closing_during_the_decode_stream_cancels_the_decode_node(conducto
     assert c.prefill.cancels == []                       # the prefill had finished
     await asyncio.wait_for(c.decode.stream_closed.wait(), 5)   # and the stream is hung up
     assert c.dispatcher.traces["req-c2"].status == "cancelled"
+    assert "decode-0" not in c.sched._tbt_ratios      # cut short: no TBT measured
     c.assert_capacity_returned()
 
 

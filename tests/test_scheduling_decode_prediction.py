@@ -697,3 +697,56 @@ def test_load_bounds_must_be_increasing_counts():
         with pytest.raises(ValueError, match="ttft_bias_load_bounds"):
             SchedulerConfig(ttft_bias_load_bounds=bad)
     assert SchedulerConfig(ttft_bias_load_bounds=[1, 2, 4]).ttft_bias_load_bounds == (1, 2, 4)
+
+
+def finish_on(s, prefix, count, start, node, measured):
+    """``count`` requests scheduled and finished one a second from ``start``,
+    each measuring ``measured`` as its TBT; the time of the last finish."""
+    for i in range(count):
+        d = s.schedule(req(f"{prefix}{i}", 100), now=start + i)
+        assert d.decode_node == node
+        s.on_decode_finished(node, d.request_id, start + i + 0.5, measured_tbt_s=measured)
+    return start + count - 0.5
+
+
+def test_a_decode_node_learns_how_much_longer_its_tbt_measures_than_predicted():
+    # The model says 10 ms a step whatever the load; SLO 100 ms, admitted within 90 ms.
+    s = make_sched(decode=(0.01, 0.0, 0.0), tbt_slo=0.1, slo_admit_fraction=0.9,
+                   tbt_ratio_quantile=0.9)
+    # Fewer than 16 finished requests: the model alone (ratio 1).
+    assert s.schedule(req("first", 100), now=0.0).predicted_tbt_s == pytest.approx(0.01)
+    s.on_decode_finished("d0", "first", 0.5, measured_tbt_s=None)   # cut short: nothing learned
+    t = finish_on(s, "a", 16, 1.0, "d0", measured=0.05)            # ratio 5 each
+    assert s.tbt_ratio("d0", t) == pytest.approx(5.0)
+    assert s.schedule(req("b", 100), now=t).predicted_tbt_s == pytest.approx(0.05)
+    s.on_decode_finished("d0", "b", t, measured_tbt_s=None)
+    # 16 more, admitted at ratio 5, measure ratio 10: the last 16 are all 10.
+    running = [s.schedule(req(f"c{i}", 100), now=t) for i in range(16)]
+    assert [d.predicted_tbt_s for d in running] == pytest.approx([0.05] * 16)
+    t += 2
+    for d in running:
+        s.on_decode_finished("d0", d.request_id, t, measured_tbt_s=0.1)
+    refused = s.schedule(req("d", 100), now=t)
+    assert isinstance(refused, Rejection) and refused.reason == "tbt_slo"
+    assert refused.predicted_tbt_s == pytest.approx(0.1)
+    # Refused work teaches it nothing: the ratio goes halfway back to 1 in a
+    # half-life (3 s): 5.5, and the request fits again.
+    assert s.tbt_ratio("d0", t + 3) == pytest.approx(5.5)
+    assert s.schedule(req("e", 100), now=t + 3).predicted_tbt_s == pytest.approx(0.055)
+    # 8 finishing at ratio 1 and 8 at 3: of the last 16, the 0.9 quantile
+    # (the 15th smallest) is 3.
+    running = [s.schedule(req(f"f{i}", 100), now=t + 3) for i in range(16)]
+    for i, d in enumerate(running):
+        s.on_decode_finished("d0", d.request_id, t + 4, measured_tbt_s=0.01 if i < 8 else 0.03)
+    assert s.tbt_ratio("d0", t + 4) == pytest.approx(3.0)
+
+
+def test_a_decode_node_whose_tbt_measures_long_is_chosen_after_one_that_holds():
+    s = make_sched(decode=(0.01, 0.0, 0.0), tbt_slo=0.1, n_decode=2, tbt_ratio_quantile=0.9)
+    # Equal predictions go to d0; 16 of them measure 10x what was predicted.
+    t = finish_on(s, "a", 16, 0.0, "d0", measured=0.1)
+    d = s.schedule(req("b", 100), now=t)
+    assert (d.decode_node, d.predicted_tbt_s) == ("d1", pytest.approx(0.01))
+    # With the quantile 0 the model's step alone decides: d0 again.
+    s.config.tbt_ratio_quantile = 0.0
+    assert s.schedule(req("c", 100), now=t).decode_node == "d0"

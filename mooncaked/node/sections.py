@@ -109,8 +109,18 @@ class ConductorSection:
     # estimators miss (relaying other requests' tokens, reservations and RPCs
     # on busy event loops) grows with that load.
     ttft_bias_load_bounds: list[int] = field(default_factory=lambda: [1, 2, 4])
+    # Scale each decode node's predicted TBT by this quantile of the ratios
+    # (measured TBT, the mean of a request's longest 10% token intervals as
+    # the conductor relays them, over the predicted decode step) of its
+    # recent requests; 0 = the model's step alone.  The step fit follows the
+    # mean; a program busy on the decode cores stretches the longest
+    # intervals most, and only this sees it.
+    tbt_ratio_quantile: float = 0.9
 
     def __post_init__(self) -> None:
+        if not 0 <= self.tbt_ratio_quantile <= 1:
+            raise ValueError(f"conductor.tbt_ratio_quantile must be in [0, 1]; "
+                             f"got {self.tbt_ratio_quantile}")
         if self.borrowed_prefill not in BORROWED_PREFILL_USES:
             raise ValueError(f"conductor.borrowed_prefill must be one of "
                              f"{', '.join(BORROWED_PREFILL_USES)}; got {self.borrowed_prefill!r}")

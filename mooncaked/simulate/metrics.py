@@ -1,9 +1,10 @@
 """Turn a finished simulation into per-request records and a summary."""
 from __future__ import annotations
 
-import math
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Protocol
+
+from roles.scheduling.estimators import paper_tbt  # noqa: F401 (the metric, for this package's users)
 
 from .records import SimResult
 
@@ -15,15 +16,6 @@ if TYPE_CHECKING:
     from .records import DecodeNode, PrefillNode, Req
 
 TBT_SLOS_MS = (100.0, 200.0, 300.0)
-
-
-def paper_tbt(intervals: list[float]) -> float:
-    """The paper's TBT: mean of the longest 10% of a request's token intervals."""
-    if not intervals:
-        return 0.0
-    k = max(1, math.ceil(0.1 * len(intervals)))
-    top = sorted(intervals, reverse=True)[:k]
-    return sum(top) / k
 
 
 def pct(xs: list[float], q: float) -> float:

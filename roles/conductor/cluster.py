@@ -75,7 +75,8 @@ class ClusterView:
                             price_yielded_work=section.price_borrowed_work,
                             choose_error_margin=section.choose_error_margin,
                             yielding_overflow_only=section.borrowed_prefill == "overflow",
-                            ttft_bias_load_bounds=tuple(section.ttft_bias_load_bounds)),
+                            ttft_bias_load_bounds=tuple(section.ttft_bias_load_bounds),
+                            tbt_ratio_quantile=section.tbt_ratio_quantile),
             PolynomialPrefillEstimator(load_prefill_coeffs(section.prefill_profile), refit_every=8,
                                        window=PREFILL_FIT_WINDOW),
             TransferEstimator(DEFAULT_TRANSFER_BPS),
@@ -223,7 +224,9 @@ class ClusterView:
                             "ttft_admit_limit_s": round(sched.ttft_admit_limit(n, now), 4)}
                         for n, s in sched.prefill.items()},
             "decode": {n: {"alive": d.alive, "accepting": d.accepting, "batch_size": d.batch_size,
-                           "free_pages": d.free_pages}
+                           "free_pages": d.free_pages,
+                           # Measured over predicted TBT lately (tbt_ratio_quantile).
+                           "tbt_ratio": round(sched.tbt_ratio(n, now), 3)}
                        for n, d in sched.decode.items()},
             "rejections": dict(sched.rejections),
             "ttft_error_mean_s": sum(errors) / len(errors) if errors else None,

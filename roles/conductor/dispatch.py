@@ -36,6 +36,7 @@ from mooncaked.node.tasks import cancel_and_wait
 from roles.conductor.cluster import ClusterView
 from roles.conductor.metrics import ConductorMetrics
 from roles.conductor.openai_types import Scheduled, Token
+from roles.scheduling.estimators import paper_tbt
 from roles.scheduling.state import Rejection, ScheduleRequest
 
 log = logging.getLogger("mooncaked.conductor.dispatch")
@@ -425,7 +426,13 @@ class Dispatcher:
             if reserved and not stream_done and decode is not None:
                 await self._cancel(decode.url + Route.DECODE_CANCEL, request_id)
             if booked:
-                sched.on_decode_finished(decision.decode_node, request_id, now)
+                # A stream that ran to its end measured the decode node's TBT
+                # as the client gets it (its token intervals here), which the
+                # node's TBT ratio learns from.
+                times = trace.token_times
+                measured = paper_tbt([b - a for a, b in zip(times, times[1:])]) \
+                    if stream_done and trace.status == "ok" and len(times) > 1 else None
+                sched.on_decode_finished(decision.decode_node, request_id, now, measured)
             trace.e2e_s = time.perf_counter() - t0
             trace.completion_tokens = len(trace.token_times)
             times = trace.token_times

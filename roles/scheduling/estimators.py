@@ -6,6 +6,7 @@ caller passes the time (`now`) where state decays.
 from __future__ import annotations
 
 import copy
+import math
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
@@ -20,6 +21,15 @@ POLY_TERMS = ("c0", "n", "n2", "np", "p")
 def _poly_row(n: float, p: float) -> list[float]:
     return [1.0, n, n * n, n * p, p]
 
+
+def paper_tbt(intervals: list[float]) -> float:
+    """The paper's TBT of one request: the mean of the longest 10% of its
+    token intervals (0 without any)."""
+    if not intervals:
+        return 0.0
+    k = max(1, math.ceil(0.1 * len(intervals)))
+    top = sorted(intervals, reverse=True)[:k]
+    return sum(top) / k
 
 class PrefillEstimator(ABC):
     @abstractmethod

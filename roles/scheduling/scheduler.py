@@ -37,6 +37,12 @@ DECODE_FIXED_POINT_ROUNDS = 4
 # which requests not accepted yet will keep it busy (borrowed.py).
 ARRIVAL_WINDOW_S = 10.0
 ARRIVALS_KEPT = 512
+# Learned TBT ratios (SchedulerConfig.tbt_ratio_quantile) are kept within
+# these bounds, and return halfway to 1 every this many seconds without a
+# finished request on the node (it is refused work while its ratio is high,
+# so nothing else would bring it back).
+TBT_RATIO_BOUNDS = (0.5, 20.0)
+TBT_RATIO_HALF_LIFE_S = 3.0
 # SchedulerConfig.ttft_bias_rule's choices, and the "median" rule's step as a
 # share of the samples' recent mean distance from the bias.
 TTFT_BIAS_RULES = ("mean", "median")
@@ -92,6 +98,14 @@ class SchedulerConfig:
     # Admit only predictions within this share of each SLO: on shared cores a
     # prediction just under the SLO is a coin flip.
     slo_admit_fraction: float = 1.0
+    # Learn, per decode node, how much longer than predicted the TBT that
+    # finished requests measured (the paper's TBT, their longest 10% token
+    # intervals, against the predicted step): predictions are scaled by a
+    # high quantile of recent ratios (tbt_ratio_quantile) once a node has
+    # NODE_ERROR_SAMPLES of them.  The decode fit follows the mean step; the
+    # SLO is on the slowest intervals, which work the model cannot see (other
+    # programs on the decode cores, the token path) stretches most.  Off: 0.
+    tbt_ratio_quantile: float = 0.0
     # > 0: once a prefill node has NODE_ERROR_SAMPLES finished requests, its
     # TTFT headroom is this many times its recent mean absolute TTFT error
     # (instead of slo_admit_fraction): a node whose predictions hold within
@@ -164,6 +178,8 @@ class SchedulerConfig:
             raise ValueError(f"ttft_bias_rule must be one of {', '.join(TTFT_BIAS_RULES)}")
         if not 0 < self.slo_admit_fraction <= 1:
             raise ValueError("slo_admit_fraction must be in (0, 1]")
+        if not 0 <= self.tbt_ratio_quantile <= 1:
+            raise ValueError("tbt_ratio_quantile must be in [0, 1]")
         if self.ttft_margin_errors < 0:
             raise ValueError("ttft_margin_errors must be >= 0")
         if self.choose_error_margin < 0:
@@ -181,6 +197,7 @@ class _Inflight:
     scheduled_at: float
     ttft_bias_s: float = 0.0  # included in decision.predicted_ttft_s
     load_level: int = 0       # Scheduler.load_level when it was scheduled
+    tbt_model_s: float = 0.0  # the decode model's TBT, before the node's learned ratio
 
 
 class Scheduler:
@@ -226,6 +243,10 @@ class Scheduler:
         # The "median" rule's step scale: recent mean |sample - bias|, per
         # prefill node, per (node, load level) and (key None) over all.
         self._ttft_bias_spread: dict[str | tuple[str, int] | None, float] = {}
+        # Per decode node: recent (measured / predicted) TBT ratios, and when
+        # the newest came (tbt_ratio_quantile).
+        self._tbt_ratios: dict[str, deque[float]] = {}
+        self._tbt_ratio_at: dict[str, float] = {}
         # Per yielding prefill node: its learned progress share (value, when
         # measured) and its previous report's (running_s, worked_s) by id.
         self._yield_share: dict[str, tuple[float, float]] = {}
@@ -511,7 +532,32 @@ class Scheduler:
 
     def select_decode(self, req: ScheduleRequest, now: float | None = None,
                       join_in_s: float = 0.0) -> tuple[DecodeNodeState | None, float]:
-        """Least predicted TBT among live decode nodes with pages for the request.
+        """The decode node with the least predicted TBT (``_decode_choice``)
+        and that TBT."""
+        best, tbt, _ = self._decode_choice(req, now, join_in_s)
+        return best, tbt
+
+    def tbt_ratio(self, node: str, now: float) -> float:
+        """What requests that finished on decode node ``node`` lately
+        measured as their TBT over what the model predicted for them: the
+        tbt_ratio_quantile of the last NODE_ERROR_SAMPLES ratios (1 until it
+        has that many, or with the quantile 0), moving halfway back to 1
+        every TBT_RATIO_HALF_LIFE_S without a new one: a node refused work
+        for its ratio is tried again soon, and measured again."""
+        q = self.config.tbt_ratio_quantile
+        ratios = self._tbt_ratios.get(node)
+        if q <= 0 or ratios is None or len(ratios) < NODE_ERROR_SAMPLES:
+            return 1.0
+        ordered = sorted(ratios)
+        learned = ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+        idle = max(0.0, now - self._tbt_ratio_at[node])
+        return 1.0 + (learned - 1.0) * 0.5 ** (idle / TBT_RATIO_HALF_LIFE_S)
+
+    def _decode_choice(self, req: ScheduleRequest, now: float | None = None, join_in_s: float = 0.0
+                       ) -> tuple[DecodeNodeState | None, float, float]:
+        """Least predicted TBT among live decode nodes with pages for the
+        request: (node, its TBT scaled by its learned ``tbt_ratio``, the
+        model's TBT before that).
 
         With `now`, TBT is predicted from the load each node will have when
         the request joins it, `join_in_s` (its predicted TTFT) from now; the
@@ -519,7 +565,7 @@ class Scheduler:
         batch plus this request.
         """
         tokens = req.prompt_tokens + req.expected_output_tokens
-        best, best_tbt = None, math.inf
+        best, best_tbt, best_model = None, math.inf, math.inf
         for d in self.decode.values():
             if not d.alive or not d.accepting or d.free_pages < d.pages_for(tokens):
                 continue
@@ -531,9 +577,10 @@ class Scheduler:
                                               load.context_tokens + req.prompt_tokens + 1)
             else:
                 tbt = self._tbt_at_join(d.node_id, now + join_in_s, req.prompt_tokens)
-            if tbt < best_tbt:
-                best, best_tbt = d, tbt
-        return best, best_tbt
+            scaled = tbt if now is None else tbt * self.tbt_ratio(d.node_id, now)
+            if scaled < best_tbt:
+                best, best_tbt, best_model = d, scaled, tbt
+        return best, best_tbt, best_model
 
     def _choose(self, ctx: PlanContext) -> PrefillPlan:
         """The policy's plan; with yielding_overflow_only, among the nodes
@@ -602,7 +649,7 @@ class Scheduler:
         level = self.load_level()
         bias = self.ttft_bias(now, plan.node, level)
         ttft = plan.ttft + bias
-        dnode, tbt = self.select_decode(req, now, ttft)
+        dnode, tbt, tbt_model = self._decode_choice(req, now, ttft)
         if dnode is None:
             return self._reject(req, "no_decode_capacity", ttft, math.inf, 1.0)
         ttft_limit = self.ttft_admit_limit(plan.node, now)
@@ -634,7 +681,7 @@ class Scheduler:
             arrivals.append((now, req.expected_output_tokens))
         dnode.batch_size += 1
         dnode.context_tokens += tokens
-        self.inflight[req.request_id] = _Inflight(decision, req, now, bias, level)
+        self.inflight[req.request_id] = _Inflight(decision, req, now, bias, level, tbt_model)
         return decision
 
     # ---- feedback from execution ----------------------------------------
@@ -799,8 +846,20 @@ class Scheduler:
     def on_transfer_finished(self, source: str, nbytes: int, seconds: float) -> None:
         self.transfer_est.observe(source, nbytes, seconds)
 
-    def on_decode_finished(self, node: str, request_id: str, now: float) -> None:
-        self.inflight.pop(request_id, None)
+    def on_decode_finished(self, node: str, request_id: str, now: float,
+                           measured_tbt_s: float | None = None) -> None:
+        """The request left decode node ``node``; ``measured_tbt_s``: its TBT
+        as the paper defines it (mean of its longest 10% token intervals), when
+        it streamed to the end, which the node's TBT ratio learns from."""
+        inf = self.inflight.pop(request_id, None)
+        if measured_tbt_s is not None and measured_tbt_s > 0 and inf is not None \
+                and inf.decision.decode_node == node and inf.tbt_model_s > 0:
+            low, high = TBT_RATIO_BOUNDS
+            ratio = min(high, max(low, measured_tbt_s / inf.tbt_model_s))
+            # The newest NODE_ERROR_SAMPLES only: what stretches the TBT (a
+            # program busy on its cores) comes and goes within seconds.
+            self._tbt_ratios.setdefault(node, deque(maxlen=NODE_ERROR_SAMPLES)).append(ratio)
+            self._tbt_ratio_at[node] = now
         d = self.decode.get(node)
         if d is None:
             return

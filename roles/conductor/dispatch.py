@@ -429,9 +429,9 @@ class Dispatcher:
                 # A stream that ran to its end measured the decode node's TBT
                 # as the client gets it (its token intervals here), which the
                 # node's TBT ratio learns from.
-                times = trace.token_times
-                measured = paper_tbt([b - a for a, b in zip(times, times[1:])]) \
-                    if stream_done and trace.status == "ok" and len(times) > 1 else None
+                intervals = [b - a for a, b in zip(trace.token_times, trace.token_times[1:])]
+                measured = paper_tbt(intervals) \
+                    if stream_done and trace.status == "ok" and intervals else None
                 sched.on_decode_finished(decision.decode_node, request_id, now, measured)
             trace.e2e_s = time.perf_counter() - t0
             trace.completion_tokens = len(trace.token_times)

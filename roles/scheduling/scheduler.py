@@ -47,6 +47,13 @@ TBT_RATIO_HALF_LIFE_S = 3.0
 # share of the samples' recent mean distance from the bias.
 TTFT_BIAS_RULES = ("mean", "median")
 TTFT_BIAS_MEDIAN_STEP = 0.2
+
+
+def _decayed(value: float, toward: float, seconds: float, half_life_s: float) -> float:
+    """A learned ``value`` moved halfway back to ``toward`` every
+    ``half_life_s`` over ``seconds`` without a new sample (none when < 0):
+    how every figure learned here returns to its default while unfed."""
+    return toward + (value - toward) * 0.5 ** (max(0.0, seconds) / half_life_s)
 # A yielding prefill node's measured share of the progress its busy-interval
 # model predicts (Scheduler.yield_share): learned only over a report interval
 # of at least this many modelled seconds, bounded below (a node that got no
@@ -247,6 +254,8 @@ class Scheduler:
         # the newest came (tbt_ratio_quantile).
         self._tbt_ratios: dict[str, deque[float]] = {}
         self._tbt_ratio_at: dict[str, float] = {}
+        # ... and (the quantile asked for, its value) until the next ratio comes.
+        self._tbt_ratio_learned: dict[str, tuple[float, float]] = {}
         # Per yielding prefill node: its learned progress share (value, when
         # measured) and its previous report's (running_s, worked_s) by id.
         self._yield_share: dict[str, tuple[float, float]] = {}
@@ -431,7 +440,7 @@ class Scheduler:
         if node not in self._yield_share:
             return 1.0
         value, at = self._yield_share[node]
-        return 1.0 - (1.0 - value) * 0.5 ** (max(0.0, now - at) / YIELD_SHARE_HALF_LIFE_S)
+        return _decayed(value, 1.0, now - at, YIELD_SHARE_HALF_LIFE_S)
 
     def _learn_yield_share(self, node: str, report: NodeReport, now: float) -> None:
         """From two reports that both name the same requests running: the
@@ -548,10 +557,12 @@ class Scheduler:
         ratios = self._tbt_ratios.get(node)
         if q <= 0 or ratios is None or len(ratios) < NODE_ERROR_SAMPLES:
             return 1.0
-        ordered = sorted(ratios)
-        learned = ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-        idle = max(0.0, now - self._tbt_ratio_at[node])
-        return 1.0 + (learned - 1.0) * 0.5 ** (idle / TBT_RATIO_HALF_LIFE_S)
+        cached_q, learned = self._tbt_ratio_learned.get(node, (None, 1.0))
+        if cached_q != q:  # sorted once per new ratio (or quantile), not per decision
+            ordered = sorted(ratios)
+            learned = ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+            self._tbt_ratio_learned[node] = (q, learned)
+        return _decayed(learned, 1.0, now - self._tbt_ratio_at[node], TBT_RATIO_HALF_LIFE_S)
 
     def _decode_choice(self, req: ScheduleRequest, now: float | None = None, join_in_s: float = 0.0
                        ) -> tuple[DecodeNodeState | None, float, float]:
@@ -818,8 +829,8 @@ class Scheduler:
         if cfg.ttft_margin_errors <= 0 or errors is None or len(errors) < NODE_ERROR_SAMPLES:
             return cfg.ttft_slo_s - default
         learned = cfg.ttft_margin_errors * sum(errors) / len(errors)
-        idle = max(0.0, now - self._node_ttft_error_at[node])
-        margin = default + (learned - default) * 0.5 ** (idle / cfg.ttft_margin_half_life_s)
+        margin = _decayed(learned, default, now - self._node_ttft_error_at[node],
+                          cfg.ttft_margin_half_life_s)
         return max(0.0, cfg.ttft_slo_s - margin)
 
     def load_level(self) -> int:
@@ -837,10 +848,10 @@ class Scheduler:
             value, at = self._node_ttft_bias.get(node, (self._ttft_bias_s, self._ttft_bias_at))
         else:
             value, at = self._ttft_bias_s, self._ttft_bias_at
-        bias = value * 0.5 ** (max(0.0, now - at) / half_life)
+        bias = _decayed(value, 0.0, now - at, half_life)
         if node is not None and level is not None and (node, level) in self._level_ttft_offset:
             offset, at = self._level_ttft_offset[(node, level)]
-            bias = max(0.0, bias + offset * 0.5 ** (max(0.0, now - at) / half_life))
+            bias = max(0.0, bias + _decayed(offset, 0.0, now - at, half_life))
         return bias
 
     def on_transfer_finished(self, source: str, nbytes: int, seconds: float) -> None:
@@ -860,6 +871,7 @@ class Scheduler:
             # program busy on its cores) comes and goes within seconds.
             self._tbt_ratios.setdefault(node, deque(maxlen=NODE_ERROR_SAMPLES)).append(ratio)
             self._tbt_ratio_at[node] = now
+            self._tbt_ratio_learned.pop(node, None)
         d = self.decode.get(node)
         if d is None:
             return

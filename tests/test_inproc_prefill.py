@@ -552,3 +552,6 @@ async def test_a_batched_pass_is_charged_once_to_its_requests(open_worker, decod
     assert one.timings["batched_ahead_s"] == 0.0
     # req-1's 20 tokens of 60 ran ahead of req-2: its share of the pass.
     assert two.timings["batched_ahead_s"] == pytest.approx(one.timings["compute_s"], rel=1e-3)
+    # ... and req-2's 40 behind req-1: req-1's first token waited for them too.
+    assert one.timings["batched_behind_s"] == pytest.approx(two.timings["compute_s"], rel=1e-3)
+    assert two.timings["batched_behind_s"] == 0.0

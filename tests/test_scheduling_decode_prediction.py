@@ -287,6 +287,55 @@ def test_the_bias_does_not_learn_the_part_of_a_batched_pass_spent_on_those_ahead
     assert s.ttft_bias(2.0, "p0") == pytest.approx(0.5)
 
 
+def test_the_bias_does_not_learn_the_part_of_a_batched_pass_spent_on_those_behind():
+    s = make_sched(ttft_bias_alpha=1.0)
+    s.schedule(req("a", 500), now=0.0)                # predicted 0.5 s, no queue
+    # First token at 1.2 s: its 0.5 s share, 0.4 s on requests behind it in
+    # the pass, 0.3 s missed.
+    s.on_prefill_finished("p0", "a", now=1.2, actual_seconds=0.5, actual_queue_s=0.0,
+                          actual_batched_behind_s=0.4)
+    assert s.ttft_bias(1.2, "p0") == pytest.approx(0.3)
+
+
+def _finish_waited(s, rid, now, queue_s, behind_s):
+    """A request that was predicted to wait ``queue_s`` (a report says so)
+    and met ``behind_s`` of batch-mates behind it."""
+    s.on_node_report("p0", NodeReport(at=now, queued_prefill_s=queue_s), now)
+    d = s.schedule(req(rid, 100), now=now)
+    assert d.t_queue == pytest.approx(queue_s)
+    s.on_prefill_finished("p0", rid, now=now + queue_s + 0.1, actual_seconds=0.1,
+                          actual_batched_behind_s=behind_s)
+    return d
+
+
+def test_a_queued_request_is_predicted_to_wait_for_the_batch_mates_its_wait_lets_in():
+    s = make_sched()
+    assert s.batch_wait_s("p0", 0.2) == 0.0            # nothing learned yet
+    # Waits (queue, batch-mates behind): (0.1, 0.01), (0.2, 0.04), (0.4, 0.04),
+    # (0.05, 0.05): behind / queue = 0.1, 0.2, 0.1, 1.0, weighted by the queue
+    # 0.1, 0.2, 0.4, 0.05 (0.75 in all).  By ratio: 0.1 (0.1), 0.1 (0.4: 0.5
+    # >= half of 0.75), so the slope is 0.1 (the short wait's 1.0 weighs little).
+    for i, (q, b) in enumerate([(0.1, 0.01), (0.2, 0.04), (0.4, 0.04), (0.05, 0.05)]):
+        _finish_waited(s, f"w{i}", 10.0 * i, q, b)
+    assert s.batch_wait_s("p0", 0.3) == pytest.approx(0.1 * 0.3)
+    assert s.batch_wait_s("p0", 0.0) == 0.0            # no wait, no one joins
+    # It is part of the prediction: queue 0.3 + prefill 0.1 + 0.03.
+    s.on_node_report("p0", NodeReport(at=100.0, queued_prefill_s=0.3), 100.0)
+    d = s.schedule(req("x", 100), now=100.0)
+    assert d.predicted_ttft_s == pytest.approx(0.3 + 0.1 + 0.03)
+    s.on_prefill_finished("p0", "x", now=101.0, actual_seconds=0.1, actual_batched_behind_s=0.0)
+    # x waited 0.3 and met no one: 0 (0.3), 0.1 (0.1), 0.1 (0.4: 0.8 >= 0.525): still 0.1.
+    assert s.batch_wait_s("p0", 0.3) == pytest.approx(0.03)
+    # A request that was predicted no queue says nothing about the slope.
+    s.on_node_report("p0", NodeReport(at=102.0, queued_prefill_s=0.0), 102.0)
+    s.schedule(req("y", 100), now=102.0)
+    s.on_prefill_finished("p0", "y", now=102.2, actual_seconds=0.1, actual_batched_behind_s=0.5)
+    assert s.batch_wait_s("p0", 0.3) == pytest.approx(0.03)
+    # One more long wait that met no one: 0 (0.3), 0 (0.6: 0.9 >= 0.825): slope 0.
+    _finish_waited(s, "z", 110.0, 0.6, 0.0)
+    assert s.batch_wait_s("p0", 0.3) == 0.0
+
+
 def feed_missed(s, samples, start=0.0):
     """Finish one request per sample, each missing ``missed`` seconds beyond
     its measured 0.5 s prefill; returns when the last finished."""
@@ -393,11 +442,13 @@ def test_a_report_naming_the_running_request_counts_only_what_is_left_of_it():
                                       prefill_requests=frozenset({"a", "b"}),
                                       prefill_running_s={"a": 0.7}), 0.9)
     assert s.prefill["p0"].queue_time(0.9) == pytest.approx(0.3 + 0.5)
-    # a overruns its estimate: nothing of it is left, b is still whole.
+    # a overruns its estimate by 0.3 s and is still running: with no prefill
+    # of this node measured yet, as much again is left of it (not 0), and b
+    # is still whole.
     s.on_node_report("p0", NodeReport(at=1.5, queued_prefill_s=9.0,
                                       prefill_requests=frozenset({"a", "b"}),
                                       prefill_running_s={"a": 1.3}), 1.5)
-    assert s.prefill["p0"].queue_time(1.5) == pytest.approx(0.5)
+    assert s.prefill["p0"].queue_time(1.5) == pytest.approx(0.3 + 0.5)
     # a finishes, b starts: b's 0.5 from then on.
     s.on_prefill_finished("p0", "a", now=1.6, actual_seconds=1.4)
     assert s.prefill["p0"].queue_time(1.6) == pytest.approx(0.5)
@@ -411,8 +462,10 @@ def test_bookings_no_report_covers_yet_count_down_from_their_expected_start():
     d = s.schedule(req("b", 500), now=0.2)
     assert d.t_queue == pytest.approx(0.8)   # b is expected to start at 1.0
     assert s.prefill["p0"].queue_time(0.5) == pytest.approx(0.5 + 0.5)
-    assert s.prefill["p0"].queue_time(1.2) == pytest.approx(0.3)   # b has run 0.2 s
-    assert s.prefill["p0"].queue_time(2.0) == 0.0
+    # a still unanswered 0.2 s after its estimate ran out is late, and b has
+    # not started behind it: with no prefill of this node measured yet, as
+    # much again is left of a (0.2), and b is whole.
+    assert s.prefill["p0"].queue_time(1.2) == pytest.approx(0.2 + 0.5)
     # A report that names both, a not running yet (it waited for its decode
     # reservation): the node's word wins, both whole, counting down from then.
     s.on_node_report("p0", NodeReport(at=0.6, queued_prefill_s=9.0,
@@ -420,6 +473,66 @@ def test_bookings_no_report_covers_yet_count_down_from_their_expected_start():
                                       prefill_running_s={}), 0.6)
     assert s.prefill["p0"].queue_time(0.6) == pytest.approx(1.5)
     assert s.prefill["p0"].queue_time(0.7) == pytest.approx(1.4)
+
+
+def test_a_booking_counts_down_from_its_expected_start_once_the_one_ahead_answered():
+    s = make_sched(queue_from_bookings=True)
+    s.schedule(req("a", 1000), now=0.0)                 # 1.0 s, starts at 0
+    assert s.schedule(req("b", 500), now=0.2).t_queue == pytest.approx(0.8)  # starts at 1.0
+    s.on_prefill_finished("p0", "a", now=1.0, actual_seconds=1.0)
+    assert s.prefill["p0"].queue_time(1.2) == pytest.approx(0.3)   # b has run 0.2 s
+    assert s.prefill["p0"].queue_time(1.4) == pytest.approx(0.1)
+
+
+def _late_ratios(s, ratios):
+    """Prefills of p0 that took ratios[i] x their 1.0 s estimate."""
+    for i, r in enumerate(ratios):
+        s.schedule(req(f"m{i}", 1000), now=0.0)
+        s.on_prefill_finished("p0", f"m{i}", now=0.0, actual_seconds=r)
+    assert list(s.prefill["p0"].late_ratios) == pytest.approx(ratios)
+
+
+def test_a_late_request_keeps_the_rest_its_node_s_late_prefills_took():
+    s = make_sched(queue_from_bookings=True)
+    _late_ratios(s, [0.9, 1.0, 1.2, 1.5, 2.0])
+    node = s.prefill["p0"]
+    # 1.1 x its estimate done: those that took longer took 1.2, 1.5, 2.0 x
+    # theirs, 1.5667 x on average: 0.4667 of 1.0 s left.
+    assert node.late_rest_s(1.0, 1.1) == pytest.approx((1.2 + 1.5 + 2.0) / 3 - 1.1)
+    assert node.late_rest_s(2.0, 3.2) == pytest.approx(2.0 * (2.0 - 1.6))   # only 2.0 x: 0.8
+    # Later than any of them (2.5 x): as much again as it is late, at most its estimate.
+    assert node.late_rest_s(1.0, 2.5) == pytest.approx(1.0)
+    assert node.late_rest_s(1.0, 2.2) == pytest.approx(1.0)
+    assert node.late_rest_s(10.0, 22.0) == pytest.approx(10.0)
+
+
+def test_the_queue_behind_a_late_request_is_its_rest_and_the_work_booked_after_it():
+    s = make_sched(queue_from_bookings=True)
+    _late_ratios(s, [0.9, 1.0, 1.2, 1.5, 2.0])
+    s.schedule(req("a", 1000), now=10.0)                 # 1.0 s, starts at 10
+    d = s.schedule(req("b", 500), now=10.5)
+    assert d.t_queue == pytest.approx(0.5)               # a on time: 0.5 s left
+    # At 11.1 a has not answered: 0.4667 s of it left (above), and b has not
+    # started (FIFO): 0.5 more.  Counted as on time, the queue was 0.5 - 0.1.
+    assert s.prefill["p0"].queue_time(11.1) == pytest.approx((1.2 + 1.5 + 2.0) / 3 - 1.1 + 0.5)
+    d = s.schedule(req("c", 100), now=11.1)
+    assert d.t_queue == pytest.approx((1.2 + 1.5 + 2.0) / 3 - 1.1 + 0.5)
+    # a answers: b runs from its expected start (11.0): 0.4 s left at 11.1, then c.
+    s.on_prefill_finished("p0", "a", now=11.1, actual_seconds=1.1)
+    assert s.prefill["p0"].queue_time(11.1) == pytest.approx(0.4 + 0.1)
+
+
+def test_a_late_request_named_by_the_node_s_report_is_still_counted():
+    s = make_sched(queue_from_bookings=True)
+    _late_ratios(s, [1.0, 1.5])
+    s.schedule(req("a", 1000), now=10.0)
+    s.schedule(req("b", 500), now=10.0)
+    s.on_node_report("p0", NodeReport(at=11.0, queued_prefill_s=9.0,
+                                      prefill_requests=frozenset({"a", "b"}),
+                                      prefill_running_s={"a": 1.0}), 11.0)
+    # a has run its whole estimate (1.0 x): those that took longer took 1.5 x.
+    assert s.prefill["p0"].queue_time(11.0) == pytest.approx(0.5 + 0.5)
+    assert s.prefill["p0"].queue_time(11.2) == pytest.approx(0.3 + 0.5)
 
 
 def test_a_growing_batch_slows_down_and_keeps_its_sequences_longer():

@@ -84,6 +84,35 @@ def test_online_refit_moves_towards_observations():
         PolynomialPrefillEstimator({"n3": 1.0})
 
 
+def _prefills_with_two_slow_starts():
+    """Prefills exactly on t = 3 ms + 0.1 ms/token + 1e-8 n^2 + 2e-8 n p, but
+    the first two 1,040-token ones took 330 and 260 ms (start-up)."""
+    true = PolynomialPrefillEstimator({"c0": 3e-3, "n": 1e-4, "n2": 1e-8, "np": 2e-8})
+    samples = [(1040, 0, 0.33), (1030, 0, 0.26)]
+    for n in (1, 5, 20, 50, 120, 300, 1040):
+        for p in ((0, 128, 1024) if n < 1000 else (0,)):
+            samples += [(n, p, true.seconds(n + p, p))] * 3
+    return true, samples
+
+
+def test_least_absolute_fit_is_not_pulled_by_a_few_far_off_prefills():
+    true, samples = _prefills_with_two_slow_starts()
+    cold = true.seconds(1040, 0)                                  # 117.8 ms
+    lsq = PolynomialPrefillEstimator(fit_polynomial(samples))
+    lad = PolynomialPrefillEstimator(fit_polynomial(samples, least_absolute=True))
+    assert lsq.seconds(1040, 0) > 1.05 * cold                     # least squares: pulled up
+    assert lad.seconds(1040, 0) == pytest.approx(cold, rel=0.01)
+    assert lad.seconds(5 + 128, 128) == pytest.approx(true.seconds(133, 128), rel=0.01)
+
+
+def test_online_refit_uses_the_least_absolute_fit_when_asked():
+    true, samples = _prefills_with_two_slow_starts()
+    est = PolynomialPrefillEstimator({"n": 1e-3}, refit_every=len(samples), least_absolute=True)
+    for n, p, t in samples:
+        est.observe(n + p, p, t)
+    assert est.fork().seconds(1040, 0) == pytest.approx(true.seconds(1040, 0), rel=0.01)
+
+
 def test_flops_estimator_matches_paper_formula():
     shape = ModelShape()
     est = FlopsPrefillEstimator(shape, gpu_flops=8 * 312e12, efficiency=1.0)

@@ -35,7 +35,8 @@ SERVER_FIELDS = ("prefill_node", "decode_node", "policy", "cached_tokens", "loca
                  "kv_transfer_wait_s", "ttft_s", "e2e_s", "predicted_ttft_s", "predicted_tbt_s",
                  "tbt_s", "predicted_queue_s", "predicted_prefill_s", "schedule_s", "reserve_s",
                  "first_layer_sent_s", "prefill_rpc_s", "prefill_node_s",
-                 "prefill_compute_cpu_s", "prefill_batched_ahead_s")
+                 "prefill_compute_cpu_s", "prefill_batched_ahead_s",
+                 "prefill_batched_behind_s")
 
 
 @dataclass

@@ -78,7 +78,7 @@ class ClusterView:
                             ttft_bias_load_bounds=tuple(section.ttft_bias_load_bounds),
                             tbt_ratio_quantile=section.tbt_ratio_quantile),
             PolynomialPrefillEstimator(load_prefill_coeffs(section.prefill_profile), refit_every=8,
-                                       window=PREFILL_FIT_WINDOW),
+                                       window=PREFILL_FIT_WINDOW, least_absolute=True),
             TransferEstimator(DEFAULT_TRANSFER_BPS),
             DecodeEstimator(*DEFAULT_DECODE, refit_every=DECODE_REFIT_EVERY))
         self.block_size: int | None = None
@@ -221,6 +221,8 @@ class ClusterView:
                             "overflow_only": bool(s.yields_to)
                             and sched.config.yielding_overflow_only,
                             "cached_blocks": sched.index.blocks_on(n),
+                            # Expected wait for batch-mates per second queued.
+                            "batch_wait_per_queue_s": round(sched.batch_wait_s(n, 1.0), 4),
                             "ttft_admit_limit_s": round(sched.ttft_admit_limit(n, now), 4)}
                         for n, s in sched.prefill.items()},
             "decode": {n: {"alive": d.alive, "accepting": d.accepting, "batch_size": d.batch_size,

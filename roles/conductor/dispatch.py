@@ -96,6 +96,8 @@ class RequestTrace:
     # Of a batched pass, the part spent on the requests ahead of this one in
     # it (its first token waited for the whole pass; 0 when not batched).
     prefill_batched_ahead_s: float = 0.0
+    # ... and the part spent on the requests behind it (0 when not batched).
+    prefill_batched_behind_s: float = 0.0
     kv_transfer_wait_s: float = 0.0
     first_layer_sent_s: float = 0.0
     # The prefill call as the conductor timed it (request sent to reply read)
@@ -471,10 +473,12 @@ class Dispatcher:
         work = timings.get("compute_cpu_s")  # absent from a node that does not say
         trace.prefill_compute_cpu_s = work or 0.0
         trace.prefill_batched_ahead_s = timings.get("batched_ahead_s", 0.0)
+        trace.prefill_batched_behind_s = timings.get("batched_behind_s", 0.0)
         sched.on_prefill_finished(decision.prefill_node, trace.request_id, time.monotonic(),
                                   trace.prefill_compute_s, actual_prefix_tokens=trace.cached_tokens,
                                   actual_queue_s=trace.prefill_queue_s, actual_work_s=work,
-                                  actual_batched_ahead_s=trace.prefill_batched_ahead_s)
+                                  actual_batched_ahead_s=trace.prefill_batched_ahead_s,
+                                  actual_batched_behind_s=trace.prefill_batched_behind_s)
         if source is not None and trace.fetched_tokens and trace.prefix_load_s > 0:
             nbytes = trace.fetched_tokens * sched.config.kv_bytes_per_token
             sched.on_transfer_finished(source.node_id, nbytes, trace.prefix_load_s)

@@ -250,6 +250,11 @@ class PrefillService:
                     # not take that part for a delay it failed to see.
                     job.result.timings["compute_cpu_s"] = compute_cpu_s * own / tokens
                     job.result.timings["batched_ahead_s"] = compute_s * ahead / tokens
+                    # ... and the part spent on those behind it, which
+                    # joined the pass while it waited: the conductor
+                    # learns how much of that a queued request meets.
+                    job.result.timings["batched_behind_s"] = \
+                        compute_s * max(0, tokens - ahead - own) / tokens
                     self._succeeded(item, await job.finish(logits, t_compute,
                                                            compute_s * own / tokens))
                 except Exception as exc:  # noqa: BLE001 - this request only

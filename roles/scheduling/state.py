@@ -6,6 +6,7 @@ simulated clock in the simulator); the core never reads a clock itself.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
@@ -17,6 +18,11 @@ Progress = Callable[[float, float], float]
 def wall_progress(start: float, end: float) -> float:
     """The Progress of a node on cores of its own: the time between."""
     return max(0.0, end - start)
+
+
+# A prefill node's last measured / estimated prefill times, from which a
+# late request's expected rest is read (PrefillNodeState.late_rest_s).
+LATE_RATIOS_KEPT = 64
 
 
 @dataclass(frozen=True)
@@ -81,12 +87,18 @@ class PendingPrefill:
         """Its estimate less the work done on it: since the node said it
         started, or (``use_expected_start``, for work no report covers yet)
         since it was expected to start; all of it before that."""
+        return max(0.0, self.estimate_s - self.work_done_s(now, use_expected_start, progress))
+
+    def work_done_s(self, now: float, use_expected_start: bool = False,
+                    progress: Progress = wall_progress) -> float:
+        """The work done on it by ``now``, as remaining_s counts it (0 before
+        it started); at or past ``estimate_s`` it is late."""
         start = self.started_at
         if start is None and use_expected_start:
             start = self.expected_start
         if start is None or now <= start:
-            return max(0.0, self.estimate_s - self.worked_before_s)
-        return max(0.0, self.estimate_s - self.worked_before_s - progress(start, now))
+            return self.worked_before_s
+        return self.worked_before_s + progress(start, now)
 
 
 @dataclass
@@ -118,6 +130,8 @@ class PrefillNodeState:
     # computes only while they leave a core idle (roles/scheduling/borrowed.py).
     # Its estimates, queue and reports are then in work seconds.
     yields_to: tuple[str, ...] = ()
+    # Measured / estimated time of its latest prefills (oldest first).
+    late_ratios: deque[float] = field(default_factory=lambda: deque(maxlen=LATE_RATIOS_KEPT))
 
     def queue_time(self, now: float, progress: Progress = wall_progress) -> float:
         """Seconds of work queued at ``now``; ``progress`` is how much of it
@@ -130,7 +144,40 @@ class PrefillNodeState:
             # made the queue look its full length for up to a heartbeat).
             if not p.in_report:
                 backlog += p.remaining_s(now, use_expected_start=True, progress=progress)
-        return backlog
+        return max(backlog, self.late_floor_s(now, progress))
+
+    def late_floor_s(self, now: float, progress: Progress = wall_progress) -> float:
+        """The least queue a late request implies: the expected rest of the
+        first booked request that is past its estimate and unanswered, plus
+        the work booked after it, which the node (FIFO) has not started.
+
+        Without it a late request's part of the queue counted 0 while the
+        node was still busy with it: on a replay a 1,038-token prefill ran
+        177 ms against 108 predicted (the host was slow), and a request sent
+        in that overrun was predicted no queue and waited 53 ms."""
+        floor, late = 0.0, False
+        for p in self.pending.values():  # in booking order
+            if late:
+                # Started by a report (a batched pass): what is left of it.
+                floor += p.remaining_s(now, progress=progress) if p.started_at is not None \
+                    else max(0.0, p.estimate_s - p.worked_before_s)
+                continue
+            done = p.work_done_s(now, use_expected_start=not p.in_report, progress=progress)
+            if p.estimate_s > 0 and done >= p.estimate_s:
+                late, floor = True, self.late_rest_s(p.estimate_s, done)
+        return floor
+
+    def late_rest_s(self, estimate_s: float, done_s: float) -> float:
+        """Expected work left on a request estimated at ``estimate_s`` that
+        has had ``done_s`` >= estimate_s: over this node's recent prefills
+        that took longer than done_s / estimate_s of their estimate, the
+        mean of the rest.  Later than any of them: as much again as it is
+        late, at most its estimate."""
+        x = done_s / estimate_s
+        longer = [r for r in self.late_ratios if r > x]
+        if longer:
+            return estimate_s * (sum(longer) / len(longer) - x)
+        return min(done_s - estimate_s, estimate_s)
 
 
 class RunningSeq(NamedTuple):

@@ -128,6 +128,12 @@ def headline(rate: float, name: str, s: dict[str, Any]) -> dict[str, Any]:
         "ttft_p50_s": s["ttft_s"].get("p50"), "ttft_p90_s": s["ttft_s"].get("p90"),
         "itl_p50_ms": (s["itl_s"].get("p50") or 0) * 1e3 if s["itl_s"].get("n") else None,
         "itl_p90_ms": (s["itl_s"].get("p90") or 0) * 1e3 if s["itl_s"].get("n") else None,
+        # ITL as aiperf (and the issue's own measurements) compute it: per
+        # request, (e2e - TTFT) / (tokens - 1).  The figure above takes every
+        # token interval on its own, so a server that hands a whole output
+        # over in one burst after a stall scores near 0 there.
+        "itl_req_p50_ms": (s["tpot_s"].get("p50") or 0) * 1e3 if s["tpot_s"].get("n") else None,
+        "itl_req_p90_ms": (s["tpot_s"].get("p90") or 0) * 1e3 if s["tpot_s"].get("n") else None,
         "ttft_mae_of_p50": pred.get("ttft_mean_abs_error_of_p50"),
         "client_ttft_mae_of_p50": pred.get("client_ttft_mean_abs_error_of_p50"),
     }
@@ -138,14 +144,16 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         return "-" if v is None else format(v, spec)
 
     out = ["| rate | server | offered req/s | ok/sent | 429 | in SLO of accepted | goodput req/s "
-           "| effective | TTFT p50 / p90 s | ITL p50 / p90 ms | TTFT MAE / p50 (server / client) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| effective | TTFT p50 / p90 s | ITL p50 / p90 ms (intervals) "
+           "| ITL p50 / p90 ms (per request, aiperf's) | TTFT MAE / p50 (server / client) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(
             f"| {r['rate_x']:g}x | {r['server']} | {r['offered_rps']:.2f} | {r['ok']}/{r['sent']} "
             f"| {r['rejected']} | {f(r['in_slo_of_accepted'], '.1%')} | {r['goodput_rps']:.2f} "
             f"| {r['effective_request_capacity']:.1%} | {f(r['ttft_p50_s'], '.2f')} / "
             f"{f(r['ttft_p90_s'], '.2f')} | {f(r['itl_p50_ms'], '.1f')} / {f(r['itl_p90_ms'], '.1f')} "
+            f"| {f(r.get('itl_req_p50_ms'), '.1f')} / {f(r.get('itl_req_p90_ms'), '.1f')} "
             f"| {f(r['ttft_mae_of_p50'], '.0%')} / {f(r.get('client_ttft_mae_of_p50'), '.0%')} |")
     return "\n".join(out)
 
@@ -178,12 +186,13 @@ def plot(path: Path, rows: list[dict[str, Any]], slo: Slo) -> None:
     panels = [("goodput_rps", "goodput (req/s in both SLOs)", None),
               ("in_slo_of_accepted", "share of accepted in both SLOs", None),
               ("ttft_p90_s", "TTFT p90 (s)", slo.ttft_s),
-              ("itl_p90_ms", "ITL p90 (ms)", slo.tbt_ms)]
+              ("itl_req_p90_ms", "ITL p90 (ms, per request)", slo.tbt_ms),
+              ("itl_p90_ms", "ITL p90 (ms, token intervals)", slo.tbt_ms)]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
     for ax, (key, title, limit) in zip(axes, panels):
         for name in servers:
             pts = [(r["offered_rps"], r[key]) for r in rows if r["server"] == name
-                   and r[key] is not None]
+                   and r.get(key) is not None]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=name)
         if limit is not None:
@@ -220,7 +229,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-duration", type=float, default=240.0)
     ap.add_argument("--vllm-start-timeout", type=float, default=600.0)
     ap.add_argument("--out", type=Path, default=Path("/tmp/mooncaked-rate-sweep"))
+    ap.add_argument("--report-only", action="store_true",
+                    help="run nothing: rebuild sweep.json/md/png under --out from the "
+                         "summaries an earlier sweep wrote there (rate_*/SERVER/summary.json)")
     args = ap.parse_args(argv)
+    if args.report_only:
+        rows = rows_from(args.out)
+        if not rows:
+            raise SystemExit(f"no rate_*/*/summary.json under {args.out}")
+        write_sweep(args.out, rows, Slo(args.ttft_slo, args.tbt_slo), sys.argv[1:])
+        return 0
 
     model_dir, vocab, max_len, reserved = prepare_checkpoint(args.model_dir, args.workdir)
     rates = [float(x) for x in args.rates.split(",") if x.strip()]
@@ -255,22 +273,37 @@ def main(argv: list[str] | None = None) -> int:
             row = headline(rate, target.name, run.summary)
             rows.append(row)
             log(json.dumps(row))
-    args.out.mkdir(parents=True, exist_ok=True)
+    write_sweep(args.out, rows, slo, sys.argv[1:])
+    return 0
+
+
+def rows_from(out: Path) -> list[dict[str, Any]]:
+    """The headline rows of a sweep written under ``out``, by rate (servers in
+    the order they ran there)."""
+    rows = []
+    for rate_dir in sorted(out.glob("rate_*"), key=lambda d: float(d.name[len("rate_"):])):
+        runs = sorted(rate_dir.glob("*/summary.json"), key=lambda f: f.stat().st_mtime)
+        for f in runs:
+            summary = json.loads(f.read_text())["summary"]
+            rows.append(headline(float(rate_dir.name[len("rate_"):]), f.parent.name, summary))
+    return rows
+
+
+def write_sweep(out: Path, rows: list[dict[str, Any]], slo: Slo, argv: list[str]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
     caps = capacity(rows)
-    (args.out / "sweep.json").write_text(json.dumps(
-        {"note": MACHINE_NOTE, "argv": sys.argv[1:], "slo": {"ttft_s": slo.ttft_s,
-                                                             "tbt_ms": slo.tbt_ms},
+    (out / "sweep.json").write_text(json.dumps(
+        {"note": MACHINE_NOTE, "argv": argv, "slo": {"ttft_s": slo.ttft_s, "tbt_ms": slo.tbt_ms},
          "rows": rows, "effective_request_capacity_rps": caps}, indent=1))
     table = markdown(rows) + "\n\n" + "\n".join(
         f"effective request capacity ({CAPACITY_SHARE:.0%} of requests in both SLOs), {name}: "
         + (f"{cap:.2f} req/s" if cap is not None else "below the lowest swept rate")
         for name, cap in caps.items())
-    (args.out / "sweep.md").write_text(table + "\n")
-    plot(args.out / "sweep.png", rows, slo)
+    (out / "sweep.md").write_text(table + "\n")
+    plot(out / "sweep.png", rows, slo)
     print(table)
     print(MACHINE_NOTE)
-    print(f"written: {args.out / 'sweep.json'}, {args.out / 'sweep.png'}")
-    return 0
+    print(f"written: {out / 'sweep.json'}, {out / 'sweep.png'}")
 
 
 if __name__ == "__main__":

@@ -281,11 +281,10 @@ def rows_from(out: Path) -> list[dict[str, Any]]:
     """The headline rows of a sweep written under ``out``, by rate (servers in
     the order they ran there)."""
     rows = []
-    for rate_dir in sorted(out.glob("rate_*"), key=lambda d: float(d.name[len("rate_"):])):
-        runs = sorted(rate_dir.glob("*/summary.json"), key=lambda f: f.stat().st_mtime)
-        for f in runs:
-            summary = json.loads(f.read_text())["summary"]
-            rows.append(headline(float(rate_dir.name[len("rate_"):]), f.parent.name, summary))
+    rates = sorted((float(d.name[len("rate_"):]), d) for d in out.glob("rate_*"))
+    for rate, rate_dir in rates:
+        for f in sorted(rate_dir.glob("*/summary.json"), key=lambda f: f.stat().st_mtime):
+            rows.append(headline(rate, f.parent.name, json.loads(f.read_text())["summary"]))
     return rows
 
 

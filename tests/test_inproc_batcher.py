@@ -88,6 +88,15 @@ async def prefill(batcher: DecodeBatcher, worker: TinyWorker, request_id: str,
     return int(torch.argmax(logits))
 
 
+async def generate(batcher: DecodeBatcher, worker: TinyWorker, request_id: str,
+                   prompt: list[int], sampling: SamplingParams) -> tuple[list[int], str | None]:
+    """A whole request: prefill, then decode to its end; every token (the
+    prefill's first included) and the finish reason."""
+    first = await prefill(batcher, worker, request_id, prompt, sampling.max_tokens)
+    streamed, finish = await drain(batcher.start(request_id, len(prompt), first, sampling))
+    return [first, *streamed], finish
+
+
 async def drain(queue: asyncio.Queue, until: int | None = None) -> tuple[list[int], str | None]:
     """Streamed tokens and the finish reason ("released" when the pages were
     taken away); with ``until``, stop after that many tokens (finish None)."""
@@ -144,9 +153,8 @@ async def test_start_needs_a_big_enough_unused_reservation(make_batcher):
 async def test_one_sequence_decodes_the_reference_tokens(make_batcher):
     batcher, worker = make_batcher(pages=16)
     prompt = tokens(37, seed=1)
-    first = await prefill(batcher, worker, "r", prompt, 12)
-    streamed, finish = await drain(batcher.start("r", len(prompt), first, greedy(12)))
-    assert [first, *streamed] == reference_greedy("tiny", prompt, 12)
+    got, finish = await generate(batcher, worker, "r", prompt, greedy(12))
+    assert got == reference_greedy("tiny", prompt, 12)
     assert finish == "length"
     assert batcher.steps == 11 and len(worker.batches) == 11  # the first token was prefill's
     assert worker.mirrors == [[37 + 12]] * 11                 # prompt + max_tokens positions
@@ -216,16 +224,14 @@ async def test_stop_tokens_and_eos_end_a_sequence_early(make_batcher):
     stop = ref[k]
     # A stop token id of the request.
     batcher, worker = make_batcher()
-    first = await prefill(batcher, worker, "s", prompt, 10)
-    streamed, finish = await drain(batcher.start("s", len(prompt), first, greedy(10, stop_token_ids=[stop])))
-    assert [first, *streamed] == ref[:k + 1] and finish == "stop"
+    got, finish = await generate(batcher, worker, "s", prompt, greedy(10, stop_token_ids=[stop]))
+    assert got == ref[:k + 1] and finish == "stop"
     assert batcher.steps == k
     # The model's EOS stops it too, unless the request ignores EOS.
     batcher, worker = make_batcher(eos_ids=(stop,))
     for rid, ignore, want, why in (("e", False, ref[:k + 1], "stop"), ("i", True, ref, "length")):
-        first = await prefill(batcher, worker, rid, prompt, 10)
-        streamed, finish = await drain(batcher.start(rid, len(prompt), first, greedy(10, ignore_eos=ignore)))
-        assert ([first, *streamed], finish) == (want, why), rid
+        got = await generate(batcher, worker, rid, prompt, greedy(10, ignore_eos=ignore))
+        assert got == (want, why), rid
 
 
 async def test_a_first_token_that_stops_never_reaches_the_batch(make_batcher):
@@ -404,9 +410,8 @@ async def test_mirrors_only_within_the_budget_the_rest_gathers_until_room_is_fre
 async def test_no_budget_no_mirrors(make_batcher):
     batcher, worker = make_batcher(contiguous_kv_bytes=0)
     prompt = tokens(20, seed=42)
-    first = await prefill(batcher, worker, "r", prompt, 8)
-    streamed, _ = await drain(batcher.start("r", len(prompt), first, greedy(8)))
-    assert [first, *streamed] == reference_greedy("tiny", prompt, 8)
+    got, _ = await generate(batcher, worker, "r", prompt, greedy(8))
+    assert got == reference_greedy("tiny", prompt, 8)
     assert worker.mirrors == [[None]] * 7 and batcher.mirror_bytes == 0
     with pytest.raises(ValueError, match="contiguous_kv_bytes"):
         DecodeBatcher(worker, 8, 60.0, [], contiguous_kv_bytes=-1)

@@ -206,7 +206,6 @@ class _Inflight:
     req: ScheduleRequest
     scheduled_at: float
     ttft_bias_s: float = 0.0  # included in decision.predicted_ttft_s
-    batch_wait_s: float = 0.0  # included in decision.predicted_ttft_s
     load_level: int = 0       # Scheduler.load_level when it was scheduled
     tbt_model_s: float = 0.0  # the decode model's TBT, before the node's learned ratio
 
@@ -667,8 +666,7 @@ class Scheduler:
         # stays Algorithm 1's queue + transfer + prefill).
         level = self.load_level()
         bias = self.ttft_bias(now, plan.node, level)
-        batch_wait = self.batch_wait_s(plan.node, plan.t_queue)
-        ttft = plan.ttft + bias + batch_wait
+        ttft = plan.ttft + bias + self.batch_wait_s(plan.node, plan.t_queue)
         dnode, tbt, tbt_model = self._decode_choice(req, now, ttft)
         if dnode is None:
             return self._reject(req, "no_decode_capacity", ttft, math.inf, 1.0)
@@ -701,8 +699,7 @@ class Scheduler:
             arrivals.append((now, req.expected_output_tokens))
         dnode.batch_size += 1
         dnode.context_tokens += tokens
-        self.inflight[req.request_id] = _Inflight(decision, req, now, bias, batch_wait, level,
-                                                  tbt_model)
+        self.inflight[req.request_id] = _Inflight(decision, req, now, bias, level, tbt_model)
         return decision
 
     # ---- feedback from execution ----------------------------------------

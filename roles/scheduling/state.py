@@ -158,9 +158,8 @@ class PrefillNodeState:
         floor, late = 0.0, False
         for p in self.pending.values():  # in booking order
             if late:
-                # Started by a report (a batched pass): what is left of it.
-                floor += p.remaining_s(now, progress=progress) if p.started_at is not None \
-                    else max(0.0, p.estimate_s - p.worked_before_s)
+                # Whole, unless a report says it started (a batched pass).
+                floor += p.remaining_s(now, progress=progress)
                 continue
             done = p.work_done_s(now, use_expected_start=not p.in_report, progress=progress)
             if p.estimate_s > 0 and done >= p.estimate_s:

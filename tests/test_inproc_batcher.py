@@ -97,6 +97,15 @@ async def generate(batcher: DecodeBatcher, worker: TinyWorker, request_id: str,
     return [first, *streamed], finish
 
 
+async def start_into_gated_step(batcher: DecodeBatcher, worker, request_id: str,
+                                prompt: list[int], max_tokens: int) -> None:
+    """Prefill and start a request on a GatedWorker's batcher; returns once
+    its first decode step is in flight (held at the worker's gate)."""
+    first = await prefill(batcher, worker, request_id, prompt, max_tokens)
+    batcher.start(request_id, len(prompt), first, greedy(max_tokens))
+    await asyncio.get_running_loop().run_in_executor(None, worker.in_step.wait, 10)
+
+
 async def drain(queue: asyncio.Queue, until: int | None = None) -> tuple[list[int], str | None]:
     """Streamed tokens and the finish reason ("released" when the pages were
     taken away); with ``until``, stop after that many tokens (finish None)."""
@@ -332,9 +341,7 @@ async def test_pages_of_a_sequence_in_the_step_in_flight_stay_fenced_until_it_en
     batcher.run()
     try:
         prompt = tokens(10, seed=30)
-        first = await prefill(batcher, worker, "a", prompt, 30)          # 3 pages
-        batcher.start("a", len(prompt), first, greedy(30))
-        await asyncio.get_running_loop().run_in_executor(None, worker.in_step.wait, 10)
+        await start_into_gated_step(batcher, worker, "a", prompt, 30)   # 3 pages
         assert batcher.release("a", "cancelled")
         assert free_pages(batcher) == 8 - 3 and batcher.load()["fenced_pages"] == 3
         with pytest.raises(StoreFullError):
@@ -428,9 +435,7 @@ async def test_a_release_during_the_step_returns_the_mirror_bytes_at_once(tiny_w
     batcher.run()
     try:
         prompt = tokens(10, seed=43)
-        first = await prefill(batcher, worker, "a", prompt, 30)          # 40 positions
-        batcher.start("a", len(prompt), first, greedy(30))
-        await asyncio.get_running_loop().run_in_executor(None, worker.in_step.wait, 10)
+        await start_into_gated_step(batcher, worker, "a", prompt, 30)   # 40 positions
         mirror = weakref.ref(batcher.seqs["a"].mirror)
         assert batcher.mirror_bytes == budget
         assert batcher.release("a", "cancelled")
@@ -439,9 +444,8 @@ async def test_a_release_during_the_step_returns_the_mirror_bytes_at_once(tiny_w
         worker.gate.set()
         await eventually(lambda: mirror() is None)    # the step ended; the batcher idles
         # The whole budget is free for the next sequence.
-        second = await prefill(batcher, worker, "b", prompt, 30)
-        streamed, _ = await drain(batcher.start("b", len(prompt), second, greedy(30)))
-        assert [second, *streamed] == reference_greedy("tiny", prompt, 30)
+        got, _ = await generate(batcher, worker, "b", prompt, greedy(30))
+        assert got == reference_greedy("tiny", prompt, 30)
         assert worker.mirrors[-1] == [40]
         assert batcher.mirror_bytes == 0              # finished: out of the batch
     finally:

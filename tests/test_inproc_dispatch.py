@@ -322,6 +322,47 @@ async def test_decode_reservation_is_touched_only_while_the_prefill_runs(conduct
     c.assert_capacity_returned()
 
 
+async def test_ttft_counts_from_the_requests_arrival_and_the_scheduler_learns_it(conductor_for):
+    """A request that arrived 0.3 s before generate() (its body read and
+    tokenized meanwhile): its TTFT, token times and the error the scheduler
+    records count those 0.3 s, as its client's clock does.  (These stand-in
+    nodes answer at once, so everything else is milliseconds.)"""
+    c = await conductor_for()
+    arrival = time.monotonic() - 0.3
+    assert await run(c.dispatcher.generate("req-a", PROMPT, sampling(max_tokens=2),
+                                           arrival_s=arrival), []) is None
+    trace = c.dispatcher.traces["req-a"]
+    assert trace.ttft_s >= 0.3 and trace.token_times[0] == trace.ttft_s
+    assert trace.schedule_s < 0.3                       # the decision's own time only
+    # The error the scheduler records (what its bias and headroom learn from).
+    assert c.sched.estimator_error()["mean_abs_s"] >= 0.3 - trace.predicted_ttft_s
+    # Without an arrival time it counts from the call.
+    assert await run(c.dispatcher.generate("req-b", PROMPT, sampling(max_tokens=2)), []) is None
+    assert c.dispatcher.traces["req-b"].ttft_s < 0.3
+
+
+def test_the_openai_backend_hands_the_requests_arrival_to_the_dispatcher():
+    from roles.conductor.app import ClusterBackend
+    from roles.conductor.openai_types import GenerationRequest
+
+    class Recording:
+        def __init__(self):
+            self.calls = []
+
+        def generate(self, *args, **kwargs):
+            self.calls.append((args, kwargs))
+
+    def request(arrival_s: float) -> GenerationRequest:
+        return GenerationRequest("r-0", "completion", "m", PROMPT, sampling(), 4, True, False,
+                                 [], None, False, 0, arrival_s=arrival_s)
+
+    dispatcher = Recording()
+    backend = ClusterBackend(dispatcher, None, "m", 128)
+    backend.generate(request(123.5))
+    backend.generate(request(0.0))  # not stamped: counted from the call
+    assert [kw["arrival_s"] for _, kw in dispatcher.calls] == [123.5, None]
+
+
 @pytest.mark.parametrize("first, max_tokens, finish", [(17, 1, "length"), (EOS, 4, "stop"),
                                                        (999, 4, "stop")])
 async def test_a_first_token_that_finishes_needs_no_decode_stream(conductor_for, first,

@@ -297,6 +297,22 @@ def test_the_bias_does_not_learn_the_part_of_a_batched_pass_spent_on_those_behin
     assert s.ttft_bias(1.2, "p0") == pytest.approx(0.3)
 
 
+def test_the_bias_learns_the_time_before_the_decision_when_the_ttft_counts_it():
+    s = make_sched(ttft_bias_alpha=1.0)
+    s.schedule(req("a", 500), now=1.0)                # predicted 0.5 s, no queue
+    # The first token at 1.5 s, exactly as predicted from the decision; but
+    # the request arrived 0.05 s before it (body read, tokenized): its TTFT
+    # counted from the arrival is 0.55 s, and the bias learns the 0.05 s.
+    s.on_prefill_finished("p0", "a", now=1.5, actual_seconds=0.5, actual_queue_s=0.0,
+                          actual_ttft_s=0.55)
+    assert s.ttft_bias(1.5, "p0") == pytest.approx(0.05)
+    assert s.estimator_error()["mean_abs_s"] == pytest.approx(0.05)
+    # Not given: counted from the decision, nothing missed.
+    s.schedule(req("b", 500), now=2.0)
+    s.on_prefill_finished("p0", "b", now=2.5, actual_seconds=0.5, actual_queue_s=0.0)
+    assert s.ttft_bias(2.5, "p0") == pytest.approx(0.0)
+
+
 def _finish_waited(s, rid, now, queue_s, behind_s):
     """A request that was predicted to wait ``queue_s`` (a report says so)
     and met ``behind_s`` of batch-mates behind it."""

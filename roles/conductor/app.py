@@ -58,7 +58,8 @@ class ClusterBackend:
     def generate(self, req: GenerationRequest):
         # Return the dispatcher's own generator (not a wrapper), so the front
         # end's aclose() reaches it directly and frees the request's resources.
-        return self.dispatcher.generate(req.request_id, req.prompt_token_ids, req.sampling)
+        return self.dispatcher.generate(req.request_id, req.prompt_token_ids, req.sampling,
+                                        arrival_s=req.arrival_s or None)
 
 
 def _prompt_ids(body, backend) -> list[int]:

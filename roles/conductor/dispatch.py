@@ -244,10 +244,18 @@ class Dispatcher:
             pass  # node gone: its own timeouts free what it held
 
     async def generate(self, request_id: str, token_ids: list[int],
-                       sampling: SamplingParams) -> AsyncIterator[Scheduled | Token]:
+                       sampling: SamplingParams,
+                       arrival_s: float | None = None) -> AsyncIterator[Scheduled | Token]:
+        """``arrival_s``: time.monotonic() when the HTTP request arrived.
+        Its TTFT and token times count from then, as its client's do: the
+        body read and the tokenizing before this call are part of what the
+        client waits for, and the TTFT bias learns them with the rest."""
         cluster, sched = self.cluster, self.cluster.scheduler
         bs = cluster.block_size
-        t0 = time.perf_counter()
+        t_start = time.perf_counter()
+        t0 = t_start
+        if arrival_s is not None:
+            t0 -= max(0.0, time.monotonic() - arrival_s)
         trace = RequestTrace(request_id, len(token_ids))
         if bs is None:
             self.metrics.rejected("no_nodes")
@@ -265,7 +273,7 @@ class Dispatcher:
         sreq = ScheduleRequest(request_id, tuple(sched_keys), len(token_ids), bs,
                                expected_output_tokens=sampling.max_tokens)
         decision = sched.schedule(sreq, time.monotonic())
-        trace.schedule_s = time.perf_counter() - t0
+        trace.schedule_s = time.perf_counter() - t_start
         if isinstance(decision, Rejection):
             self.metrics.rejected(decision.reason)
             retry = max(1, int(decision.retry_after_s + 0.999))
@@ -368,8 +376,8 @@ class Dispatcher:
                 finally:
                     await cancel_and_wait(keepalive)
             prefill_done = True
-            self._account_prefill(trace, result, decision, source)
             trace.ttft_s = time.perf_counter() - t0
+            self._account_prefill(trace, result, decision, source)
             self.metrics.first_token(trace)
             first = result.first_token
             finish = self._first_finish(first, sampling)
@@ -475,7 +483,8 @@ class Dispatcher:
         trace.prefill_batched_ahead_s = timings.get("batched_ahead_s", 0.0)
         trace.prefill_batched_behind_s = timings.get("batched_behind_s", 0.0)
         sched.on_prefill_finished(decision.prefill_node, trace.request_id, time.monotonic(),
-                                  trace.prefill_compute_s, actual_prefix_tokens=trace.cached_tokens,
+                                  trace.prefill_compute_s, actual_ttft_s=trace.ttft_s,
+                                  actual_prefix_tokens=trace.cached_tokens,
                                   actual_queue_s=trace.prefill_queue_s, actual_work_s=work,
                                   actual_batched_ahead_s=trace.prefill_batched_ahead_s,
                                   actual_batched_behind_s=trace.prefill_batched_behind_s)

@@ -714,8 +714,14 @@ class Scheduler:
                             actual_queue_s: float | None = None,
                             actual_work_s: float | None = None,
                             actual_batched_ahead_s: float = 0.0,
-                            actual_batched_behind_s: float | None = None) -> None:
+                            actual_batched_behind_s: float | None = None,
+                            actual_ttft_s: float | None = None) -> None:
         """Prefill done (first token out): refit and record the TTFT error.
+
+        `actual_ttft_s`: the request's measured TTFT, when the caller counts
+        it from earlier than the decision (the HTTP conductor: from the
+        request's arrival, before its body was read and tokenized); None:
+        from the decision to ``now``.
 
         `actual_queue_s`, when the node measured it, is the time the request
         waited in the node's queue: the learned TTFT bias then holds only what
@@ -777,7 +783,7 @@ class Scheduler:
             self.prefill_est.observe(inf.req.prompt_tokens, prefix, fitted)
         if actual_batched_behind_s is not None and node in self.prefill:
             self._learn_batch_wait(node, inf.decision.t_queue, actual_batched_behind_s)
-        actual_ttft = now - inf.scheduled_at
+        actual_ttft = now - inf.scheduled_at if actual_ttft_s is None else actual_ttft_s
         error = inf.decision.predicted_ttft_s - actual_ttft
         alpha = self.config.ttft_bias_alpha
         if alpha:

@@ -287,30 +287,23 @@ def test_the_bias_does_not_learn_the_part_of_a_batched_pass_spent_on_those_ahead
     assert s.ttft_bias(2.0, "p0") == pytest.approx(0.5)
 
 
-def test_the_bias_does_not_learn_the_part_of_a_batched_pass_spent_on_those_behind():
+@pytest.mark.parametrize("finish, now, bias, error", [
+    # First token at 1.2 s: its 0.5 s share, 0.4 s on requests behind it in
+    # the pass (not the bias's: batch_wait_s learns it), 0.3 s missed.
+    ({"actual_batched_behind_s": 0.4}, 1.2, 0.3, 0.7),
+    # First token at 0.5 s, as predicted from the decision; but the request
+    # arrived 0.05 s before it (body read, tokenized): its TTFT counted from
+    # the arrival is 0.55 s, and the bias learns the 0.05 s.
+    ({"actual_ttft_s": 0.55}, 0.5, 0.05, 0.05),
+    # No arrival given: counted from the decision, nothing missed.
+    ({}, 0.5, 0.0, 0.0),
+])
+def test_what_the_bias_learns_of_a_first_token_later_than_its_prefill(finish, now, bias, error):
     s = make_sched(ttft_bias_alpha=1.0)
     s.schedule(req("a", 500), now=0.0)                # predicted 0.5 s, no queue
-    # First token at 1.2 s: its 0.5 s share, 0.4 s on requests behind it in
-    # the pass, 0.3 s missed.
-    s.on_prefill_finished("p0", "a", now=1.2, actual_seconds=0.5, actual_queue_s=0.0,
-                          actual_batched_behind_s=0.4)
-    assert s.ttft_bias(1.2, "p0") == pytest.approx(0.3)
-
-
-def test_the_bias_learns_the_time_before_the_decision_when_the_ttft_counts_it():
-    s = make_sched(ttft_bias_alpha=1.0)
-    s.schedule(req("a", 500), now=1.0)                # predicted 0.5 s, no queue
-    # The first token at 1.5 s, exactly as predicted from the decision; but
-    # the request arrived 0.05 s before it (body read, tokenized): its TTFT
-    # counted from the arrival is 0.55 s, and the bias learns the 0.05 s.
-    s.on_prefill_finished("p0", "a", now=1.5, actual_seconds=0.5, actual_queue_s=0.0,
-                          actual_ttft_s=0.55)
-    assert s.ttft_bias(1.5, "p0") == pytest.approx(0.05)
-    assert s.estimator_error()["mean_abs_s"] == pytest.approx(0.05)
-    # Not given: counted from the decision, nothing missed.
-    s.schedule(req("b", 500), now=2.0)
-    s.on_prefill_finished("p0", "b", now=2.5, actual_seconds=0.5, actual_queue_s=0.0)
-    assert s.ttft_bias(2.5, "p0") == pytest.approx(0.0)
+    s.on_prefill_finished("p0", "a", now=now, actual_seconds=0.5, actual_queue_s=0.0, **finish)
+    assert s.ttft_bias(now, "p0") == pytest.approx(bias)
+    assert s.estimator_error()["mean_abs_s"] == pytest.approx(error)
 
 
 def _finish_waited(s, rid, now, queue_s, behind_s):

@@ -136,6 +136,11 @@ def headline(rate: float, name: str, s: dict[str, Any]) -> dict[str, Any]:
         "itl_req_p90_ms": (s["tpot_s"].get("p90") or 0) * 1e3 if s["tpot_s"].get("n") else None,
         "ttft_mae_of_p50": pred.get("ttft_mean_abs_error_of_p50"),
         "client_ttft_mae_of_p50": pred.get("client_ttft_mean_abs_error_of_p50"),
+        # How far behind its schedule the client sent (send_lag_s): a client
+        # starved by a server that fills every core offers it a lower,
+        # burstier rate and reads its tokens late (client_lag_warnings).
+        "send_lag_p90_ms": (s["send_lag_s"].get("p90") or 0) * 1e3
+        if (s.get("send_lag_s") or {}).get("n") else None,
     }
 
 
@@ -145,8 +150,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
     out = ["| rate | server | offered req/s | ok/sent | 429 | in SLO of accepted | goodput req/s "
            "| effective | TTFT p50 / p90 s | ITL p50 / p90 ms (intervals) "
-           "| ITL p50 / p90 ms (per request, aiperf's) | TTFT MAE / p50 (server / client) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| ITL p50 / p90 ms (per request, aiperf's) | TTFT MAE / p50 (server / client) "
+           "| client send lag p90 ms |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(
             f"| {r['rate_x']:g}x | {r['server']} | {r['offered_rps']:.2f} | {r['ok']}/{r['sent']} "
@@ -154,8 +160,25 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"| {r['effective_request_capacity']:.1%} | {f(r['ttft_p50_s'], '.2f')} / "
             f"{f(r['ttft_p90_s'], '.2f')} | {f(r['itl_p50_ms'], '.1f')} / {f(r['itl_p90_ms'], '.1f')} "
             f"| {f(r.get('itl_req_p50_ms'), '.1f')} / {f(r.get('itl_req_p90_ms'), '.1f')} "
-            f"| {f(r['ttft_mae_of_p50'], '.0%')} / {f(r.get('client_ttft_mae_of_p50'), '.0%')} |")
+            f"| {f(r['ttft_mae_of_p50'], '.0%')} / {f(r.get('client_ttft_mae_of_p50'), '.0%')} "
+            f"| {f(r.get('send_lag_p90_ms'), '.1f')} |")
     return "\n".join(out)
+
+
+# A run whose client sent 10% of its requests this late or later is flagged:
+# measured on this machine, a client beside vLLM filling both cores lagged
+# 0.1-1.1 s at p90, against 1-35 ms beside mooncaked (docs/bench.md, stop 29).
+SEND_LAG_WARN_MS = 50.0
+
+
+def client_lag_warnings(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per run whose client fell behind its schedule: that server
+    was offered a lower, burstier rate than the others and its tokens were
+    read late, so its figures there are not comparable."""
+    return [f"warning: at {r['rate_x']:g}x the client sent to {r['server']} late "
+            f"(send lag p90 {r['send_lag_p90_ms']:.0f} ms): it could not keep its schedule "
+            f"beside that server, whose figures there are understated"
+            for r in rows if (r.get("send_lag_p90_ms") or 0) > SEND_LAG_WARN_MS]
 
 
 # The paper's effective request capacity: the highest offered rate at which
@@ -298,6 +321,9 @@ def write_sweep(out: Path, rows: list[dict[str, Any]], slo: Slo, argv: list[str]
         f"effective request capacity ({CAPACITY_SHARE:.0%} of requests in both SLOs), {name}: "
         + (f"{cap:.2f} req/s" if cap is not None else "below the lowest swept rate")
         for name, cap in caps.items())
+    warnings = client_lag_warnings(rows)
+    if warnings:
+        table += "\n\n" + "\n".join(warnings)
     (out / "sweep.md").write_text(table + "\n")
     plot(out / "sweep.png", rows, slo)
     print(table)

@@ -56,3 +56,20 @@ def test_report_only_rebuilds_the_rows_a_sweep_wrote(tmp_path):
     assert [(r["rate_x"], r["server"]) for r in rows] == [(1.0, "a"), (1.0, "b"), (2.0, "a")]
     assert rows[1]["itl_req_p90_ms"] > 10 * rows[1]["itl_p90_ms"]
     assert rate_sweep.rows_from(tmp_path / "nothing") == []
+
+
+def test_a_run_whose_client_fell_behind_its_schedule_is_flagged(tmp_path, monkeypatch):
+    on_time = [_steady(i) for i in range(10)]
+    late = [_steady(i) for i in range(10)]
+    for i, r in enumerate(late):      # the client sent every request 0.1 s more behind
+        r.send_lag_s = 0.1 * i
+    rows = [rate_sweep.headline(4.0, "kept", summarize(on_time, SLO)),
+            rate_sweep.headline(4.0, "starved", summarize(late, SLO))]
+    assert rows[0]["send_lag_p90_ms"] == 0.0
+    assert rows[1]["send_lag_p90_ms"] > rate_sweep.SEND_LAG_WARN_MS
+    assert "| client send lag p90 ms |" in rate_sweep.markdown(rows)
+    (warning,) = rate_sweep.client_lag_warnings(rows)
+    assert "at 4x the client sent to starved late" in warning
+    monkeypatch.setattr(rate_sweep, "plot", lambda *args: None)   # no PNG needed here
+    rate_sweep.write_sweep(tmp_path, rows, SLO, [])
+    assert warning in (tmp_path / "sweep.md").read_text()

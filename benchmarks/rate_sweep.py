@@ -116,6 +116,11 @@ def server_targets(wanted: list[str], model_dir: Path, max_len: int, block_token
     return targets
 
 
+def _ms(stat: dict[str, Any] | None, key: str) -> float | None:
+    """``stat[key]`` (seconds, from report.stats) in ms; None for no samples."""
+    return (stat[key] or 0) * 1e3 if stat and stat.get("n") else None
+
+
 def headline(rate: float, name: str, s: dict[str, Any]) -> dict[str, Any]:
     pred = s.get("prediction") or {}
     return {
@@ -126,21 +131,18 @@ def headline(rate: float, name: str, s: dict[str, Any]) -> dict[str, Any]:
         "goodput_rps": s["goodput_rps"],
         "effective_request_capacity": s["effective_request_capacity"],
         "ttft_p50_s": s["ttft_s"].get("p50"), "ttft_p90_s": s["ttft_s"].get("p90"),
-        "itl_p50_ms": (s["itl_s"].get("p50") or 0) * 1e3 if s["itl_s"].get("n") else None,
-        "itl_p90_ms": (s["itl_s"].get("p90") or 0) * 1e3 if s["itl_s"].get("n") else None,
+        "itl_p50_ms": _ms(s["itl_s"], "p50"), "itl_p90_ms": _ms(s["itl_s"], "p90"),
         # ITL as aiperf (and the issue's own measurements) compute it: per
         # request, (e2e - TTFT) / (tokens - 1).  The figure above takes every
         # token interval on its own, so a server that hands a whole output
         # over in one burst after a stall scores near 0 there.
-        "itl_req_p50_ms": (s["tpot_s"].get("p50") or 0) * 1e3 if s["tpot_s"].get("n") else None,
-        "itl_req_p90_ms": (s["tpot_s"].get("p90") or 0) * 1e3 if s["tpot_s"].get("n") else None,
+        "itl_req_p50_ms": _ms(s["tpot_s"], "p50"), "itl_req_p90_ms": _ms(s["tpot_s"], "p90"),
         "ttft_mae_of_p50": pred.get("ttft_mean_abs_error_of_p50"),
         "client_ttft_mae_of_p50": pred.get("client_ttft_mean_abs_error_of_p50"),
         # How far behind its schedule the client sent (send_lag_s): a client
         # starved by a server that fills every core offers it a lower,
         # burstier rate and reads its tokens late (client_lag_warnings).
-        "send_lag_p90_ms": (s["send_lag_s"].get("p90") or 0) * 1e3
-        if (s.get("send_lag_s") or {}).get("n") else None,
+        "send_lag_p90_ms": _ms(s.get("send_lag_s"), "p90"),
     }
 
 

@@ -6,6 +6,7 @@ simulated clock in the simulator); the core never reads a clock itself.
 """
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
@@ -180,11 +181,9 @@ class PrefillNodeState:
         of its estimate more, and the requests queued behind it were
         predicted 80-100 ms too much."""
         x = done_s / estimate_s
-        rests = sorted(r - x for r in self.late_ratios if r > x)
+        rests = [r - x for r in self.late_ratios if r > x]
         if rests:
-            mid = len(rests) // 2
-            rest = rests[mid] if len(rests) % 2 else (rests[mid - 1] + rests[mid]) / 2
-            return estimate_s * rest
+            return estimate_s * statistics.median(rests)
         return min(done_s - estimate_s, estimate_s)
 
 

@@ -49,6 +49,13 @@ class CacheEventPusher:
         url = self._conductor_url
         return (url() if callable(url) else url).rstrip("/")
 
+    @property
+    def in_sync(self) -> bool:
+        """True once the current conductor has acknowledged our snapshot and no
+        resync is pending: from then on ``flush`` pushes events directly.  A
+        snapshot the conductor has received but not yet answered does not count."""
+        return not self._need_snapshot and self.base == self._snapshot_sent_to
+
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="cache-events")
 
@@ -61,7 +68,7 @@ class CacheEventPusher:
         never fails the caller (the prefill is done and its KV delivered) and
         never makes it wait for a whole snapshot; a pending resync or a failed
         or slow push is left to the background loop.  True when pushed."""
-        if self._need_snapshot or self.base != self._snapshot_sent_to:
+        if not self.in_sync:
             self.kick()
             return False
         try:

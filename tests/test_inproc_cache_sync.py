@@ -7,6 +7,8 @@ for a whole snapshot; the background loop catches up (snapshot, then events).
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -25,6 +27,11 @@ BLOCK = 16
 class StandInConductor:
     def __init__(self) -> None:
         self.failing = False
+        # Set: snapshots are answered at once.  Cleared by a test: each snapshot
+        # is stored but its answer waits, the window in which the conductor
+        # has the snapshot and the pusher does not know yet.
+        self.answer_snapshots = asyncio.Event()
+        self.answer_snapshots.set()
         self.snapshots: list[dict] = []
         self.events: list[dict] = []
 
@@ -33,6 +40,7 @@ class StandInConductor:
             if self.failing:
                 return web.json_response({"error": {"message": "down"}}, status=500)
             self.snapshots.append(orjson.loads(await request.read()))
+            await self.answer_snapshots.wait()
             return web.json_response({"ok": True})
 
         async def events(request: web.Request) -> web.Response:
@@ -60,6 +68,9 @@ def _store_one_block(shard: StoreShard, key: int) -> None:
 
 async def test_a_failed_push_never_fails_the_prefill_and_the_loop_catches_up():
     conductor = StandInConductor()
+    # The conductor holds the snapshot before the pusher knows it was taken
+    # (under CI load that window once failed this test's first flush).
+    conductor.answer_snapshots.clear()
     shard = _shard()
     client = InternalClient.open()
     async with TestServer(conductor.app(), host="127.0.0.1") as server:
@@ -70,9 +81,15 @@ async def test_a_failed_push_never_fails_the_prefill_and_the_loop_catches_up():
             assert conductor.snapshots == []
             pusher.start()
             await eventually(lambda: len(conductor.snapshots) == 1)
+            assert not pusher.in_sync   # stored there, not yet answered
             _store_one_block(shard, 100)
+            assert await pusher.flush() is False   # never waits for a snapshot in flight
+            conductor.answer_snapshots.set()
+            await eventually(lambda: pusher.in_sync)
+            # The loop may have pushed block 100 meanwhile; then this flush has nothing new.
+            _store_one_block(shard, 101)
             assert await pusher.flush() is True
-            assert conductor.events[-1]["stored"] == [100]
+            assert sorted(k for e in conductor.events for k in e["stored"]) == [100, 101]
 
             conductor.failing = True
             _store_one_block(shard, 200)
@@ -80,7 +97,7 @@ async def test_a_failed_push_never_fails_the_prefill_and_the_loop_catches_up():
             conductor.failing = False
             # The lost batch is recovered by a resync: a snapshot holding both keys.
             await eventually(lambda: len(conductor.snapshots) == 2)
-            assert sorted(conductor.snapshots[-1]["keys"]) == [100, 200]
+            assert sorted(conductor.snapshots[-1]["keys"]) == [100, 101, 200]
         finally:
             await pusher.close()
             await client.close()

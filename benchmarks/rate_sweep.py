@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from mooncaked.benchserve.compare import Target  # noqa: E402
+from mooncaked.benchserve.isolated import CLIENT_NICE, IsolatedClient  # noqa: E402
 from mooncaked.benchserve.replay import ReplayConfig, run_replay  # noqa: E402
 from mooncaked.benchserve.report import Slo  # noqa: E402
 from mooncaked.benchserve.session import MACHINE_NOTE, run_bench  # noqa: E402
@@ -254,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-duration", type=float, default=240.0)
     ap.add_argument("--vllm-start-timeout", type=float, default=600.0)
     ap.add_argument("--out", type=Path, default=Path("/tmp/mooncaked-rate-sweep"))
+    ap.add_argument("--client-nice", type=int, default=CLIENT_NICE,
+                    help="autogroup nice of the benchmark client, which runs in a session of "
+                         "its own so that it keeps its schedule beside a server that fills "
+                         "every core (lowering it needs root; 0: the default weight)")
     ap.add_argument("--report-only", action="store_true",
                     help="run nothing: rebuild sweep.json/md/png under --out from the "
                          "summaries an earlier sweep wrote there (rate_*/SERVER/summary.json)")
@@ -272,34 +277,49 @@ def main(argv: list[str] | None = None) -> int:
     block_tokens = round(512 * args.length_scale)
     targets = server_targets(wanted, model_dir, max_len, block_tokens, args)
     rows: list[dict[str, Any]] = []
-    for i, rate in enumerate(rates):
-        wl = WorkloadConfig(trace=args.trace, offset=args.offset, max_requests=args.max_requests,
-                            time_scale=1.0 / rate, length_scale=args.length_scale,
-                            output_scale=1.0, max_output_tokens=args.max_output_tokens, vocab_size=vocab,
-                            reserved_tokens=reserved)
-        reqs = build_workload(wl)
-        warm = warmup_slice(wl, args.warmup)
-        longest = max(len(r.prompt) + r.max_tokens for r in reqs)
-        if longest > max_len:
-            raise SystemExit(f"the slice needs {longest} tokens of context; the model has {max_len}")
-        order = targets[i % len(targets):] + targets[:i % len(targets)]
-        for target in order:
-            log(f"rate {rate:g}x: {target.description}: starting")
-            url = target.start()
-            try:
-                replay = ReplayConfig(url=url, model="model", max_duration_s=args.max_duration,
-                                      request_timeout_s=args.max_duration,
-                                      server_traces=target.name == "mooncaked")
-                run_replay(ReplayConfig(**{**replay.__dict__, "server_traces": False}), warm)
-                run = run_bench(reqs, replay, slo, args.out / f"rate_{rate:g}" / target.name,
-                                plots=False, progress=False, label=target.name)
-            finally:
-                target.stop()
-            row = headline(rate, target.name, run.summary)
-            rows.append(row)
-            log(json.dumps(row))
+    with IsolatedClient(args.client_nice) as client:
+        log(f"benchmark client: {client.weight.describe()}")
+        for i, rate in enumerate(rates):
+            rows += sweep_rate(i, rate, targets, client, vocab, max_len, reserved, slo, args)
     write_sweep(args.out, rows, slo, sys.argv[1:])
     return 0
+
+
+def sweep_rate(i: int, rate: float, targets: list[Target], client: IsolatedClient,
+               vocab: int, max_len: int, reserved: int, slo: Slo,
+               args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every server at one rate: started fresh, warmed, measured, stopped;
+    the replays run in ``client``'s process."""
+    wl = WorkloadConfig(trace=args.trace, offset=args.offset, max_requests=args.max_requests,
+                        time_scale=1.0 / rate, length_scale=args.length_scale,
+                        output_scale=1.0, max_output_tokens=args.max_output_tokens,
+                        vocab_size=vocab, reserved_tokens=reserved)
+    reqs = build_workload(wl)
+    warm = warmup_slice(wl, args.warmup)
+    longest = max(len(r.prompt) + r.max_tokens for r in reqs)
+    if longest > max_len:
+        raise SystemExit(f"the slice needs {longest} tokens of context; the model has {max_len}")
+    rows = []
+    order = targets[i % len(targets):] + targets[:i % len(targets)]
+    for target in order:
+        log(f"rate {rate:g}x: {target.description}: starting")
+        url = target.start()
+        try:
+            replay = ReplayConfig(url=url, model="model", max_duration_s=args.max_duration,
+                                  request_timeout_s=args.max_duration,
+                                  server_traces=target.name == "mooncaked")
+            client.call(run_replay, ReplayConfig(**{**replay.__dict__, "server_traces": False}),
+                        warm)
+            run = client.call(run_bench, reqs, replay, slo,
+                              args.out / f"rate_{rate:g}" / target.name, plots=False,
+                              progress=False, label=target.name,
+                              extra_meta={"client": client.weight.describe()})
+        finally:
+            target.stop()
+        row = headline(rate, target.name, run.summary)
+        rows.append(row)
+        log(json.dumps(row))
+    return rows
 
 
 def rows_from(out: Path) -> list[dict[str, Any]]:

@@ -13,6 +13,7 @@ from mooncaked.benchserve.compare import (DEFAULT_CONFIGS, PRESETS, ClusterShape
                                           warmup_requests)
 from mooncaked.benchserve.replay import ReplayConfig
 from mooncaked.benchserve.report import Slo, plot_sweep
+from mooncaked.benchserve.isolated import CLIENT_NICE, IsolatedClient
 from mooncaked.benchserve.session import MACHINE_NOTE, headline, run_bench
 from mooncaked.benchserve.tracegen import TraceGenConfig, describe, generate, write_trace
 from mooncaked.benchserve.workload import WorkloadConfig, build_workload
@@ -162,6 +163,10 @@ def register(bench: typer.Typer, app: typer.Typer) -> None:
         log_dir: Optional[Path] = typer.Option(None, help="Node logs (default: temp dirs)."),
         plots: bool = typer.Option(True, help="Write PNG plots with --out."),
         progress: bool = typer.Option(True, help="Live progress bar on stderr."),
+        client_nice: int = typer.Option(CLIENT_NICE, help="Autogroup nice of the replay "
+                                        "client, which runs in a session of its own so that "
+                                        "it keeps its schedule beside servers that fill every "
+                                        "core (below 0 needs root; 0: the default weight)."),
     ) -> None:
         """Replay one trace slice against several local cluster configurations."""
         try:
@@ -186,7 +191,10 @@ def register(bench: typer.Typer, app: typer.Typer) -> None:
             replay = ReplayConfig(url="http://unused", max_duration_s=max_duration,
                                   request_timeout_s=request_timeout)
             warm = warmup_requests(warmup, 2048, wl.block_tokens, vocab_size, reserved_tokens)
-            result = run_compare(targets, reqs, replay, slo, out, plots, progress, warm, rounds)
+            with IsolatedClient(client_nice) as client:
+                typer.echo(f"replay client: {client.weight.describe()}", err=True)
+                result = run_compare(targets, reqs, replay, slo, out, plots, progress, warm,
+                                     rounds, client)
         except ValueError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None

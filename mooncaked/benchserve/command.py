@@ -30,6 +30,11 @@ VOCAB_SIZE = typer.Option(256, help="Prompt token ids are < this.")
 RESERVED_TOKENS = typer.Option(0, help="Prompt token ids are >= this.")
 
 
+CLIENT_NICE_HELP = ("Autogroup nice of the replay client, which runs in a session of its own "
+                    "so that it keeps its schedule beside a server that fills every core "
+                    "(below 0 needs root; 0: the default weight).")
+
+
 def _rates(text: str) -> list[float]:
     if not text:
         return []
@@ -46,8 +51,9 @@ def serve(url: str, trace: Path, time_scale: float, max_requests: int, offset: i
           poisson: bool, length_scale: float, output_scale: float, max_output_tokens: int, ttft_slo: float,
           tbt_slo: float, out: Optional[Path], max_duration: float, request_timeout: float,
           model: str, vocab_size: int, reserved_tokens: int, seed: int, plots: bool,
-          progress: bool, server_traces: bool) -> dict[str, Any]:
-    """Replay once (no --rate or one rate) or sweep over several rates."""
+          progress: bool, server_traces: bool, client: IsolatedClient) -> dict[str, Any]:
+    """Replay once (no --rate or one rate) or sweep over several rates, each
+    replay in ``client``'s process."""
     slo = Slo(ttft_slo, tbt_slo)
     replay = ReplayConfig(url=url, model=model, max_duration_s=max_duration,
                           request_timeout_s=request_timeout, server_traces=server_traces)
@@ -62,7 +68,7 @@ def serve(url: str, trace: Path, time_scale: float, max_requests: int, offset: i
     if len(rates) <= 1:
         wl = WorkloadConfig(**common, arrival=arrival if rates else "trace",
                             rate=rates[0] if rates else 0.0)
-        run = run_bench(wl, replay, slo, out, plots, progress)
+        run = client.call(run_bench, wl, replay, slo, out, plots, progress)
         return run.summary
     # A sweep replays the same slice at each rate against the same server, so
     # caches are warm after the first rate; restart the server between rates
@@ -71,7 +77,8 @@ def serve(url: str, trace: Path, time_scale: float, max_requests: int, offset: i
     for r in rates:
         wl = WorkloadConfig(**common, arrival=arrival, rate=r)
         sub = out / f"rate_{r:g}" if out else None
-        run = run_bench(wl, replay, slo, sub, plots, progress, label=f"rate {r:g}/s")
+        run = client.call(run_bench, wl, replay, slo, sub, plots, progress,
+                          label=f"rate {r:g}/s")
         rows.append({"rate": r, "summary": run.summary})
     if out:
         (out / "sweep.json").write_text(json.dumps({"note": MACHINE_NOTE, "rates": rows},
@@ -113,13 +120,16 @@ def register(bench: typer.Typer, app: typer.Typer) -> None:
         progress: bool = typer.Option(True, help="Live progress bar on stderr."),
         server_traces: bool = typer.Option(True, help="Fetch the conductor's per-request "
                                            "timing (/admin/requests/{id})."),
+        client_nice: int = typer.Option(CLIENT_NICE, help=CLIENT_NICE_HELP),
     ) -> None:
         """Replay a Mooncake trace against a server: TTFT, TBT, goodput, cache hits."""
         try:
-            summary = serve(url, trace, time_scale, max_requests, offset, rate, poisson,
-                            length_scale, output_scale, max_output_tokens, ttft_slo, tbt_slo, out,
-                            max_duration, request_timeout, model, vocab_size, reserved_tokens,
-                            seed, plots, progress, server_traces)
+            with IsolatedClient(client_nice) as client:
+                typer.echo(f"replay client: {client.weight.describe()}", err=True)
+                summary = serve(url, trace, time_scale, max_requests, offset, rate, poisson,
+                                length_scale, output_scale, max_output_tokens, ttft_slo, tbt_slo,
+                                out, max_duration, request_timeout, model, vocab_size,
+                                reserved_tokens, seed, plots, progress, server_traces, client)
         except ValueError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
@@ -163,10 +173,7 @@ def register(bench: typer.Typer, app: typer.Typer) -> None:
         log_dir: Optional[Path] = typer.Option(None, help="Node logs (default: temp dirs)."),
         plots: bool = typer.Option(True, help="Write PNG plots with --out."),
         progress: bool = typer.Option(True, help="Live progress bar on stderr."),
-        client_nice: int = typer.Option(CLIENT_NICE, help="Autogroup nice of the replay "
-                                        "client, which runs in a session of its own so that "
-                                        "it keeps its schedule beside servers that fill every "
-                                        "core (below 0 needs root; 0: the default weight)."),
+        client_nice: int = typer.Option(CLIENT_NICE, help=CLIENT_NICE_HELP),
     ) -> None:
         """Replay one trace slice against several local cluster configurations."""
         try:

@@ -129,7 +129,11 @@ def headline(rate: float, name: str, s: dict[str, Any]) -> dict[str, Any]:
         "sent": s["sent"], "ok": s.get("ok", 0), "rejected": s.get("rejected", 0),
         "accepted": s.get("accepted"),
         "in_slo_of_accepted": s.get("accepted_in_slo") if s.get("accepted") else None,
-        "goodput_rps": s["goodput_rps"],
+        # Per second of offered load (report.py); a summary written before
+        # stop 30 holds the run-time figure there: derived again from the
+        # offered rate and the effective share, which it also holds.
+        "goodput_rps": s["goodput_rps"] if "goodput_run_rps" in s
+        else s["offered_rate_rps"] * s["effective_request_capacity"],
         "effective_request_capacity": s["effective_request_capacity"],
         "ttft_p50_s": s["ttft_s"].get("p50"), "ttft_p90_s": s["ttft_s"].get("p90"),
         "itl_p50_ms": _ms(s["itl_s"], "p50"), "itl_p90_ms": _ms(s["itl_s"], "p90"),

@@ -44,3 +44,28 @@ def test_the_error_against_the_clients_ttft_is_reported_beside_the_servers():
     # |0.2-0.205| + |0.41-0.405| + |0.09-0.105| = 0.025 over 3; client p50 0.205 s.
     assert p["client_ttft_mean_abs_error_s"] == pytest.approx(0.025 / 3)
     assert p["client_ttft_mean_abs_error_of_p50"] == pytest.approx(0.025 / 3 / 0.205)
+
+
+def _served(i: int, sent_s: float, ttft_s: float, e2e_s: float) -> RequestResult:
+    return RequestResult(i, i, sent_s, prompt_tokens=8, max_tokens=2, status="ok",
+                         http_status=200, sent_s=sent_s, ttft_s=ttft_s, e2e_s=e2e_s,
+                         token_times_s=[ttft_s, e2e_s], completion_tokens=2)
+
+
+def test_goodput_counts_effective_requests_per_second_of_offered_load():
+    """Two servers that serve the same five requests, sent once a second,
+    all within both SLOs, have the same goodput whatever the latency of
+    their last request; a request outside the SLO takes its share off."""
+    slo = Slo(ttft_s=1.0, tbt_ms=1000.0)
+    quick = [_served(i, float(i), 0.1, 0.2) for i in range(5)]
+    slow_last = quick[:4] + [_served(4, 4.0, 0.9, 1.8)]
+    for results in (quick, slow_last):
+        summary = summarize(results, slo)
+        assert summary["offered_rate_rps"] == pytest.approx(1.0)     # 4 gaps in 4 s
+        assert summary["goodput_rps"] == pytest.approx(1.0)
+    # The run-time figure (until stop 30's definition) differs by the last request's end.
+    assert summarize(quick, slo)["goodput_run_rps"] == pytest.approx(5 / 4.2)
+    assert summarize(slow_last, slo)["goodput_run_rps"] == pytest.approx(5 / 5.8)
+    late = quick[:4] + [_served(4, 4.0, 1.5, 1.6)]                     # TTFT over the SLO
+    assert summarize(late, slo)["goodput_rps"] == pytest.approx(1.0 * 4 / 5)
+    assert summarize(quick[:1], slo)["goodput_rps"] == pytest.approx(1 / 0.2)   # no span

@@ -82,7 +82,11 @@ def test_synthetic_slice_replays_and_report_matches_records(cluster, tmp_path):
     good = [r for r in ok if r["ttft_s"] <= 5.0 and r["tbt_s"] <= 0.3]
     assert summary["effective_requests"] == len(good)
     assert summary["effective_request_capacity"] == pytest.approx(len(good) / 50)
-    assert summary["goodput_rps"] == pytest.approx(len(good) / duration)
+    # Goodput per second of offered load: the offered rate times the effective share.
+    span = max(r["sent_s"] for r in records) - min(r["sent_s"] for r in records)
+    assert summary["offered_rate_rps"] == pytest.approx(49 / span)
+    assert summary["goodput_rps"] == pytest.approx(49 / span * len(good) / 50)
+    assert summary["goodput_run_rps"] == pytest.approx(len(good) / duration)
     prompt = sum(r["prompt_tokens"] for r in ok)
     cached = sum(r["cached_tokens"] for r in ok)
     reqs = build_workload(wl)

@@ -73,3 +73,15 @@ def test_a_run_whose_client_fell_behind_its_schedule_is_flagged(tmp_path, monkey
     monkeypatch.setattr(rate_sweep, "plot", lambda *args: None)   # no PNG needed here
     rate_sweep.write_sweep(tmp_path, rows, SLO, [])
     assert warning in (tmp_path / "sweep.md").read_text()
+
+
+def test_a_summary_from_before_stop_30_is_reported_with_goodput_per_offered_load():
+    """Summaries written before goodput was per second of offered load hold
+    the run-time figure under goodput_rps: the sweep derives the new one
+    from the offered rate and the effective share they also hold."""
+    summary = summarize([_steady(i) for i in range(4)], SLO)   # sent every 0.5 s, all in SLO
+    assert rate_sweep.headline(1.0, "a", summary)["goodput_rps"] == pytest.approx(2.0)
+    old = {k: v for k, v in summary.items() if k != "goodput_run_rps"}
+    old["goodput_rps"] = summary["goodput_run_rps"]             # 4 / (1.5 + 0.25) s
+    assert old["goodput_rps"] == pytest.approx(4 / 1.75)
+    assert rate_sweep.headline(1.0, "a", old)["goodput_rps"] == pytest.approx(2.0)

@@ -429,6 +429,10 @@ class StoreShard:
     def drain_events(self) -> EventBatch | None:
         return self.events.drain()
 
+    def next_event_batch(self) -> tuple[int, int]:
+        """(epoch, seq) of the batch that will carry the events recorded now."""
+        return self.events.epoch, self.events.seq + 1
+
     def snapshot(self) -> Snapshot:
         """Every key held (any tier), at the current event seq (see events.py)."""
         keys = list(self._blocks)

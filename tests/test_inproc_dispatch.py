@@ -599,6 +599,29 @@ async def test_the_scheduled_trace_carries_the_planned_cached_tokens(conductor_f
     assert trace_headers("id", [Run()])["x-mooncaked-cached-tokens"] == str(2 * BLOCK)
 
 
+@pytest.mark.parametrize("epoch,seq,indexed", [(7, 3, True), (7, 2, False), (8, 3, False)])
+async def test_the_blocks_a_prefill_stored_are_indexed_with_its_first_token(
+        conductor_for, epoch, seq, indexed):
+    """The prefill node answers without waiting to push its cache events; the
+    reply's StoredBlocks go into the index before the first token is handed
+    on, unless the batch that reports them was applied already (seq 2 here)
+    or the shard restarted (another epoch)."""
+    from mooncaked.node.messages import CacheSnapshot, StoredBlocks
+
+    keys = chain_keys(PROMPT, SEED)
+    reply = PrefillReply(first_token=17, logprob=-0.5, computed_tokens=len(PROMPT),
+                         timings={"queue_s": 0.001, "compute_s": 0.004},
+                         stored=StoredBlocks(epoch=epoch, seq=seq, keys=keys))
+    c = await conductor_for(FakePrefill(reply=reply))
+    c.cluster.snapshot(CacheSnapshot(node_id="prefill-0", epoch=7, seq=2, keys=[]))
+    gen = c.dispatcher.generate("req-s", PROMPT, sampling(max_tokens=4))
+    assert isinstance(await gen.__anext__(), Scheduled)
+    assert isinstance(await gen.__anext__(), Token)          # the first token
+    held = c.sched.index.longest_prefix_per_node(keys).get("prefill-0", 0)
+    assert held == (len(keys) if indexed else 0)
+    await gen.aclose()
+
+
 async def test_a_prefill_node_declared_dead_fails_its_requests_at_once(conductor_for):
     """A partitioned prefill node sends no FIN: membership's verdict, not the
     call, ends its requests (502) and frees the decode reservation."""

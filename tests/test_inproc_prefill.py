@@ -29,7 +29,7 @@ from model.runner import ModelRunner, kv_pages_view
 from model.sampling import SamplingParams
 from mooncaked.node.config import NodeConfig
 from mooncaked.node.context import NodeContext
-from mooncaked.node.messages import FetchPlan, PrefillRequest, ReservationGrant
+from mooncaked.node.messages import FetchPlan, PrefillRequest, ReservationGrant, StoredBlocks
 from mooncaked.node.sections import NodeSection
 from rdma.config import TransferConfig
 from rdma.engine import TransferEngine
@@ -278,6 +278,26 @@ async def test_a_cached_prefix_is_reused_and_changes_nothing(open_worker, decode
     assert stats.pinned_blocks == hit // BLOCK
     assert stats.private_pages == pages_for(len(prompt)) - hit // BLOCK
     assert_nothing_held(worker.shard, cached_blocks=2)
+
+
+async def test_a_reply_names_the_blocks_it_stored_and_the_batch_that_reports_them(
+        open_worker, decode):
+    worker = await open_worker()
+    shard = worker.shard
+    _, _, first = await prefill(worker, decode, "req-a", PROMPT_A)
+    keys = block_keys(PROMPT_A, BLOCK, worker.config.store.hash_seed)
+    # PROMPT_A's 2 full blocks, reported by the shard's next batch.
+    assert first.stored == StoredBlocks(shard.events.epoch, 1, keys[:2])
+    batch = shard.drain_events()
+    assert (batch.seq, batch.stored) == (1, keys[:2])
+    # PROMPT_B reuses both and stores none; a prompt of its own stores its one block.
+    _, _, reused = await prefill(worker, decode, "req-b", PROMPT_B)
+    assert reused.stored is None
+    other = tokens(20, seed=9)
+    _, _, fresh = await prefill(worker, decode, "req-c", other)
+    assert fresh.stored == StoredBlocks(shard.events.epoch, 2,
+                                        block_keys(other, BLOCK, worker.config.store.hash_seed)[:1])
+    assert "stored" not in reused.to_wire() and fresh.to_wire()["stored"]["seq"] == 2
 
 
 @pytest.mark.parametrize("prompt, hit", [

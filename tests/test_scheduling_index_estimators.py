@@ -54,6 +54,25 @@ def test_events_gap_and_resync():
     assert ix.apply_events("a", 6, [8], [])
 
 
+def test_blocks_from_a_reply_are_added_only_ahead_of_the_batch_that_reports_them():
+    idx = GlobalCacheIndex()
+    assert not idx.add_ahead("a", 1, [5])               # never synced: nothing known
+    idx.resync("a", [1], next_seq=3)                    # batches 1 and 2 are in the snapshot
+    assert not idx.add_ahead("a", 2, [5])               # batch 2 already covered
+    assert idx.add_ahead("a", 3, [5, 6])                # batch 3 still to come
+    assert idx.holders(5) == ["a"] and idx.blocks_on("a") == 3
+    assert idx.apply_events("a", 3, stored=[5, 6], evicted=[]) # the batch itself: no change
+    assert idx.blocks_on("a") == 3
+    # Batch 4 evicted 7 before the reply that stored it was read: the reply adds nothing.
+    assert idx.apply_events("a", 4, stored=[], evicted=[7])
+    assert not idx.add_ahead("a", 4, [7])
+    assert idx.holders(7) == []
+    # A node waiting for a resync takes nothing from replies either.
+    assert not idx.apply_events("a", 9, stored=[], evicted=[])   # a gap
+    assert not idx.add_ahead("a", 10, [8])
+    assert idx.holders(8) == []
+
+
 def test_remove_node_frees_slot():
     ix = GlobalCacheIndex()
     ix.add("a", [1, 2])

@@ -455,6 +455,18 @@ class CppSummary(Message):
     stage_compute_s: list[float] = wire(list_of(number))
 
 
+@dataclass(frozen=True)
+class StoredBlocks(Message):
+    """The blocks a prefill newly stored in its node's shard, and the event
+    batch (shard ``epoch``, ``seq``) that will report them: the conductor
+    adds them to its index with the first token unless that batch (or a
+    later one) has been applied already, so the next decision sees them
+    without the prefill waiting for its cache events to be pushed."""
+    epoch: int = wire(integer())
+    seq: int = wire(integer(1))
+    keys: list[int] = wire(integers(), factory=list)
+
+
 @dataclass
 class PrefillReply(Message):
     """Prefill node -> conductor: the first token (that is the TTFT) and how
@@ -468,6 +480,7 @@ class PrefillReply(Message):
     fetch_failed: str = wire(string, "")
     timings: dict[str, float] = wire(numbers_by_name, factory=dict)
     cpp: CppSummary | None = wire(message(CppSummary), None, omit_none=True)
+    stored: StoredBlocks | None = wire(message(StoredBlocks), None, omit_none=True)
 
     @property
     def cached_tokens(self) -> int:

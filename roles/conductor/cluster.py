@@ -23,7 +23,7 @@ from mooncaked.node.errors import ApiError
 from mooncaked.node.internal_client import read_message, reply
 from mooncaked.node.membership import NodeRecord, NodeRegistry
 from mooncaked.node.messages import (CacheEvents, CacheEventsAck, CacheSnapshot, DecodeSeqLoad,
-                                     DecodeStepSample, MessageError, Ok, Route)
+                                     DecodeStepSample, MessageError, Ok, Route, StoredBlocks)
 from roles.scheduling.estimators import (DecodeEstimator, PipelinePrefillEstimator,
                                          PolynomialPrefillEstimator, TransferEstimator)
 from roles.scheduling.scheduler import Scheduler, SchedulerConfig
@@ -192,6 +192,15 @@ class ClusterView:
             return
         self.epochs[node] = snap.epoch
         self.scheduler.resync(node, snap.keys, next_seq=snap.seq + 1)
+
+    def blocks_from_reply(self, node: str, stored: StoredBlocks) -> bool:
+        """The blocks prefill node ``node`` (an index name) stored for a
+        request, from its reply: indexed with the first token rather than
+        when its event batch arrives, unless that batch is applied already or
+        the shard is not the epoch indexed.  True when added."""
+        if node not in self.scheduler.prefill or self.epochs.get(node) != stored.epoch:
+            return False
+        return self.scheduler.on_blocks_ahead(node, stored.seq, stored.keys)
 
     def events(self, batch: CacheEvents) -> bool:
         """Apply a batch; returns True when the node must send a snapshot."""

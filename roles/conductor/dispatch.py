@@ -477,6 +477,10 @@ class Dispatcher:
         trace.first_layer_sent_s = timings.get("first_layer_sent_s", 0.0)
         trace.prefill_node_s = timings.get("queue_s", 0.0) + timings.get("total_s", 0.0)
         trace.cpp = result.cpp.to_wire() if result.cpp is not None else None
+        if result.stored is not None:
+            # Before the first token goes out: the next decision sees these
+            # blocks although the node did not wait to push its events.
+            self.cluster.blocks_from_reply(decision.prefill_node, result.stored)
         sched = self.cluster.scheduler
         work = timings.get("compute_cpu_s")  # absent from a node that does not say
         trace.prefill_compute_cpu_s = work or 0.0

@@ -46,8 +46,15 @@ async def prefill(request: web.Request) -> web.Response:
         raise ApiError(502, f"streaming KV to the decode node failed: {exc.reason}") from None
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
-    # New blocks should reach the global index before the next decision.
-    await request.app[PUSHER].flush()
+    # New blocks should reach the global index before the next decision: a
+    # reply that lists them (result.stored) takes them to the conductor
+    # itself, so the events are pushed beside it, not before it (the push
+    # held every reply up by a conductor round trip: median 1 ms, p90 2.5 ms
+    # on trace-gen at 2x).  A pipeline's reply lists none: pushed first.
+    if result.cpp is None:
+        request.app[PUSHER].kick()
+    else:
+        await request.app[PUSHER].flush()
     return reply(result)
 
 

@@ -25,7 +25,8 @@ from model.runner import chunk_bounds
 from model.sampling import sample
 from mooncaked.node.internal_client import UNBOUNDED, InternalCallError
 from mooncaked.node.messages import (FetchPlan, LeaseGrant, LeaseRelease, LeaseRequest,
-                                     PrefillReply, PrefillRequest, ReservationGrant, Route)
+                                     PrefillReply, PrefillRequest, ReservationGrant, Route,
+                                     StoredBlocks)
 from rdma.types import TransferError, TransferOp, TransferRequest
 from roles.worker_node import WorkerNode
 
@@ -249,7 +250,10 @@ class PrefillJob:
         result.first_token, result.logprob = sample(logits, spec.sampling,
                                                     spec.sampling.make_generator())
         if self.prefix_cache:
-            self.publish_new_blocks(self.table, self.usable)
+            stored = self.publish_new_blocks(self.table, self.usable)
+            if stored:
+                # Read after the publishes: their events wait for the next drain.
+                result.stored = StoredBlocks(*self.shard.next_event_batch(), stored)
         t_wait = time.perf_counter()
         await asyncio.gather(*self.sends)
         result.timings["transfer_wait_s"] = time.perf_counter() - t_wait
@@ -286,11 +290,13 @@ class PrefillJob:
         return self.worker.runner.prefill_stage(self.spec.token_ids[start:end], self.table,
                                                 start, layer_hook=hook)
 
-    def publish_new_blocks(self, table: list[int], first_new: int) -> None:
+    def publish_new_blocks(self, table: list[int], first_new: int) -> list[int]:
         """Keep blocks [first_new, ...) of ``table`` in the local shard under
         their keys (pinned until ``cleanup``); a page whose key was stored
-        meanwhile stays private and is freed at cleanup."""
+        meanwhile stays private and is freed at cleanup.  Returns the keys
+        newly stored."""
         spec, bs = self.spec, self.bs
+        stored: list[int] = []
         for b in range(first_new, len(spec.block_keys)):
             page = table[b]
             published = self.shard.publish(spec.block_keys[b], page,
@@ -298,6 +304,8 @@ class PrefillJob:
             self.pinned_keys.append(spec.block_keys[b])
             if published.stored:
                 self.private_pages.remove(page)
+                stored.append(spec.block_keys[b])
+        return stored
 
     async def cleanup(self) -> None:
         """Release every pin and free every private page (tail first); waits

@@ -100,6 +100,18 @@ class GlobalCacheIndex:
         self.add(node, stored)
         return ok
 
+    def add_ahead(self, node: str, seq: int, keys: Iterable[int]) -> bool:
+        """Add ``keys``, which the node's batch ``seq`` will report, before
+        that batch arrives.  Only while it has not been applied (it, or a later
+        batch, may report them evicted since) and the node's view is not
+        waiting for a resync; the batch applied later adds them again
+        (idempotent).  True when added."""
+        expected = self._next_seq.get(node)
+        if expected is None or expected > seq or node in self.needs_resync:
+            return False
+        self.add(node, keys)
+        return True
+
     def resync(self, node: str, keys: Iterable[int], next_seq: int | None = None) -> None:
         """Replace everything known about `node` with its full key set."""
         new = set(keys)

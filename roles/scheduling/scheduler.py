@@ -315,6 +315,11 @@ class Scheduler:
         """Apply a shard's event batch; False means: ask the node to resync."""
         return self.index.apply_events(node, seq, stored, evicted)
 
+    def on_blocks_ahead(self, node: str, seq: int, keys: Iterable[int]) -> bool:
+        """Blocks a finished prefill stored, from its reply, ahead of the
+        event batch ``seq`` that reports them (GlobalCacheIndex.add_ahead)."""
+        return self.index.add_ahead(node, seq, keys)
+
     def resync(self, node: str, keys: Iterable[int], next_seq: int | None = None) -> None:
         self.index.resync(node, keys, next_seq)
 

@@ -165,11 +165,14 @@ class RequestRunner:
             except EndpointError as e:
                 last, avoid = str(e), path
                 failures += 1
-                if not self.directory.holds(desc):
-                    # A failed connect dropped the descriptor: the peer is not
-                    # where it was (restarted on new ports).  Posting to the
-                    # old address again would only climb the path's back-off;
-                    # ``run`` looks the segment up afresh.
+                if not self.directory.holds(desc) and await self._resolve(st.request) != desc:
+                    # A failed connect dropped the descriptor and a fresh lookup
+                    # names another: the peer restarted on new ports.  Posting to
+                    # the old address again would only climb the path's back-off;
+                    # ``run`` starts over with the new descriptor.  The same
+                    # descriptor again (now held once more) means the peer is
+                    # where it was and the connect failed on the way (a SYN lost
+                    # under packet loss): retried below like any failed post.
                     raise RequestFailed(f"segment {seg!r} is no longer at the address "
                                         f"its descriptor names: {last}") from None
                 if failures > self.config.max_retries:

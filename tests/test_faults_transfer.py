@@ -101,3 +101,36 @@ async def test_a_connect_to_the_old_address_neither_serves_nor_drops_the_new_reg
     finally:
         conns.close()
         silent.close()
+
+
+async def test_a_connect_lost_on_the_way_is_retried_when_the_peer_is_where_it_was(monkeypatch):
+    """Under packet loss a connect can time out (its SYN dropped) although the
+    peer never moved: the failed connect drops the descriptor, the lookup
+    names the same one again, and the slice is posted once more instead of
+    failing the request (a 502 in test_faults_netns's 5% loss row)."""
+    from rdma.tcp import TcpEndpoint
+
+    real_connect = TcpEndpoint.connect
+    failed: list[str] = []
+
+    async def connect_lost_once(self):
+        if not failed:
+            failed.append(self.remote_host)
+            raise EndpointError("connect timed out (a lost SYN)")
+        return await real_connect(self)
+
+    monkeypatch.setattr(TcpEndpoint, "connect", connect_lost_once)
+    current: dict = {}
+
+    async def resolver(name: str):
+        return current.get(name)
+
+    src = bytearray(b"\x3c" * SIZE)
+    target = bytearray(SIZE)
+    async with engine("prefill") as sender, engine("decode") as peer:
+        sender.set_resolver(resolver)
+        region = sender.register_local_memory(src)
+        peer.register_local_memory(target)
+        current["decode"] = peer.segment_descriptor()
+        await sender.transfer([TransferRequest(WRITE, region.id, 0, SIZE, "decode", 0)])
+    assert failed and target == src

@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from mooncaked.benchserve.compare import (ClusterShape, Target, cluster_target,  # noqa: E402
                                           markdown_table, run_compare, warmup_requests)
+from mooncaked.benchserve.isolated import IsolatedClient  # noqa: E402
 from mooncaked.benchserve.replay import ReplayConfig  # noqa: E402
 from mooncaked.benchserve.report import Slo  # noqa: E402
 from mooncaked.benchserve.session import MACHINE_NOTE  # noqa: E402
@@ -207,8 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     replay = ReplayConfig(url="http://unused", model="model", max_duration_s=args.max_duration,
                           request_timeout_s=args.max_duration)
     warm = warmup_requests(2, 2048, wl.block_tokens, vocab, reserved)
-    result = run_compare(targets, reqs, replay, Slo(args.ttft_slo, args.tbt_slo), args.out,
-                         warmup=warm)
+    with IsolatedClient() as client:
+        result = run_compare(targets, reqs, replay, Slo(args.ttft_slo, args.tbt_slo), args.out,
+                             client=client, warmup=warm)
     print(markdown_table(result["rows"]))
     print(MACHINE_NOTE)
     print(f"written: {args.out / 'compare.json'}, {args.out / 'compare.png'}")

@@ -11,9 +11,9 @@ import typer
 from mooncaked.benchserve.compare import (DEFAULT_CONFIGS, PRESETS, ClusterShape,
                                           cluster_target, markdown_table, run_compare,
                                           warmup_requests)
+from mooncaked.benchserve.isolated import CLIENT_NICE, IsolatedClient
 from mooncaked.benchserve.replay import ReplayConfig
 from mooncaked.benchserve.report import Slo, plot_sweep
-from mooncaked.benchserve.isolated import CLIENT_NICE, IsolatedClient
 from mooncaked.benchserve.session import MACHINE_NOTE, headline, run_bench
 from mooncaked.benchserve.tracegen import TraceGenConfig, describe, generate, write_trace
 from mooncaked.benchserve.workload import WorkloadConfig, build_workload
@@ -200,8 +200,8 @@ def register(bench: typer.Typer, app: typer.Typer) -> None:
             warm = warmup_requests(warmup, 2048, wl.block_tokens, vocab_size, reserved_tokens)
             with IsolatedClient(client_nice) as client:
                 typer.echo(f"replay client: {client.weight.describe()}", err=True)
-                result = run_compare(targets, reqs, replay, slo, out, plots, progress, warm,
-                                     rounds, client)
+                result = run_compare(targets, reqs, replay, slo, out, plots, progress,
+                                     client=client, warmup=warm, rounds=rounds)
         except ValueError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None

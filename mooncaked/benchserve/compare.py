@@ -139,18 +139,15 @@ def warmup_requests(n: int, length: int, block_tokens: int, vocab_size: int,
 
 def run_compare(targets: list[Target], reqs: list[ReplayRequest], replay: ReplayConfig,
                 slo: Slo, out: Optional[Path], plots: bool = True, progress: bool = True,
-                warmup: list[ReplayRequest] | None = None, rounds: int = 1,
-                client: IsolatedClient | None = None) -> dict[str, Any]:
+                *, client: IsolatedClient, warmup: list[ReplayRequest] | None = None,
+                rounds: int = 1) -> dict[str, Any]:
     """Each target in turn: start, warm up, replay ``reqs``, stop; ``rounds``
     times, the order rotated each round so that no configuration always runs
     first (on a shared machine the load drifts).  The table gives medians
-    over rounds; ratios are against the first target.  ``client``: the
-    replays run in that process (see isolated.py), else in this one."""
+    over rounds; ratios are against the first target.  The replays run in
+    ``client``'s process (isolated.py)."""
     if rounds < 1:
         raise ValueError("rounds must be >= 1")
-
-    def call(fn, *args, **kwargs):
-        return client.call(fn, *args, **kwargs) if client is not None else fn(*args, **kwargs)
 
     runs: dict[str, list[BenchRun]] = {t.name: [] for t in targets}
     for rnd in range(rounds):
@@ -166,15 +163,13 @@ def run_compare(targets: list[Target], reqs: list[ReplayRequest], replay: Replay
             try:
                 cfg = ReplayConfig(**{**replay.__dict__, "url": url})
                 if warmup:
-                    call(run_replay, ReplayConfig(**{**cfg.__dict__, "server_traces": False}),
-                         warmup)
-                meta = {"config": target.description, "round": rnd + 1,
-                        "start_s": time.monotonic() - t0}
-                if client is not None:
-                    meta["client"] = client.weight.describe()
-                runs[target.name].append(call(
+                    client.call(run_replay,
+                                ReplayConfig(**{**cfg.__dict__, "server_traces": False}), warmup)
+                runs[target.name].append(client.call(
                     run_bench, reqs, cfg, slo, sub, plots, progress, label=target.name,
-                    extra_meta=meta))
+                    extra_meta={"config": target.description, "round": rnd + 1,
+                                "start_s": time.monotonic() - t0,
+                                "client": client.weight.describe()}))
             finally:
                 target.stop()
     table = comparison_table(runs, {t.name: t.description for t in targets})

@@ -61,33 +61,21 @@ def enter_own_session(nice: int = CLIENT_NICE) -> ClientWeight:
     global _applied
     try:
         os.setsid()
-        own = True
     except OSError as exc:   # already a process-group leader
-        own = False
         _applied = ClientWeight(False, None, f"setsid: {exc.strerror}")
         return _applied
     try:
         with open("/proc/self/autogroup", "w") as group:
             group.write(str(nice))
-        _applied = ClientWeight(own, nice)
+        _applied = ClientWeight(True, nice)
     except OSError as exc:
-        _applied = ClientWeight(own, None, f"/proc/self/autogroup: {exc.strerror}")
+        _applied = ClientWeight(True, None, f"/proc/self/autogroup: {exc.strerror}")
     return _applied
 
 
 def applied_weight() -> ClientWeight | None:
     """In the worker: what ``enter_own_session`` applied (None elsewhere)."""
     return _applied
-
-
-def autogroup_of_self() -> tuple[int, str]:
-    """(session id, /proc/self/autogroup text) of the calling process."""
-    try:
-        with open("/proc/self/autogroup") as group:
-            text = group.read().strip()
-    except OSError:
-        text = ""
-    return os.getsid(0), text
 
 
 class IsolatedClient:

@@ -92,6 +92,7 @@ def summarize(results: list[RequestResult], slo: Slo,
                  for s in ("ok", "rejected", "error", "timeout", "not_sent")}
     duration = run_duration_s(results)
     good = [r for r in sent if slo.met(r)]
+    goodput_run = len(good) / duration if duration > 0 else 0.0
     send_span = (max(r.sent_s for r in sent) - min(r.sent_s for r in sent)) if sent else 0.0
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
@@ -111,9 +112,8 @@ def summarize(results: list[RequestResult], slo: Slo,
         "effective_request_capacity_at_tbt_ms": {
             str(int(ms)): (sum(1 for r in sent if slo.met(r, ms)) / len(sent) if sent else 0.0)
             for ms in TBT_SLOS_MS},
-        "goodput_rps": goodput_of_offered(len(sent), len(good), send_span,
-                                          len(good) / duration if duration > 0 else 0.0),
-        "goodput_run_rps": len(good) / duration if duration > 0 else 0.0,
+        "goodput_rps": goodput_of_offered(len(sent), len(good), send_span, goodput_run),
+        "goodput_run_rps": goodput_run,
         "rejection_ratio": by_status["rejected"] / len(sent) if sent else 0.0,
         "ttft_s": stats([r.ttft_s for r in ok if r.ttft_s is not None]),
         "tbt_s": stats([r.tbt_s for r in ok if r.tbt_s is not None]),

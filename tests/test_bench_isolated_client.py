@@ -33,7 +33,11 @@ def test_the_client_runs_in_a_session_of_its_own_at_the_raised_weight():
         assert client.weight.own_session
         if os.geteuid() == 0 and _autogroups_here():
             assert group.endswith("nice -7")
-            assert group.split()[0] != caller[1].split()[0]   # another autogroup
+            # Another autogroup.  The kernel prints nothing for a task whose
+            # group is not an autogroup (a process in a non-root cpu cgroup,
+            # as under some CI runners): then any autogroup is another one.
+            if caller[1]:
+                assert group.split()[0] != caller[1].split()[0]
             assert client.weight.autogroup_nice == -7
             assert client.weight.describe() == "own session, autogroup nice -7"
         else:

@@ -35,7 +35,7 @@ from mooncaked.node.messages import (Cancelled, DecodeStart, NodeRegistration, O
                                      ReservationRequest, Route, StreamError, TokenLine)
 from mooncaked.node.sections import ConductorSection
 from roles.conductor.cluster import ClusterView
-from roles.conductor.dispatch import Dispatcher
+from roles.conductor.dispatch import PREFILL_REPLY_ALLOWANCE_S, Dispatcher
 from roles.conductor.metrics import ConductorMetrics
 from roles.scheduling.scheduler import TBT_RATIO_BOUNDS
 from roles.conductor.openai_types import Scheduled, Token
@@ -339,6 +339,25 @@ async def test_ttft_counts_from_the_requests_arrival_and_the_scheduler_learns_it
     # Without an arrival time it counts from the call.
     assert await run(c.dispatcher.generate("req-b", PROMPT, sampling(max_tokens=2)), []) is None
     assert c.dispatcher.traces["req-b"].ttft_s < 0.3
+
+
+async def test_the_prefill_node_is_sent_the_prediction_it_must_keep(conductor_for):
+    """PrefillRequest.budget: the compute the scheduler predicted, and what
+    is left of the predicted TTFT when the request goes out, less the
+    reply's way back (never below 0)."""
+    c = await conductor_for()
+    assert await run(c.dispatcher.generate("req-a", PROMPT, sampling(max_tokens=2)), []) is None
+    trace = c.dispatcher.traces["req-a"]
+    (spec,) = c.prefill.received
+    assert spec.budget.prefill_s == pytest.approx(trace.predicted_prefill_s)
+    # Sent after the decision and the reservation: less than the whole prediction.
+    assert 0.0 <= spec.budget.reply_within_s \
+        <= trace.predicted_ttft_s - PREFILL_REPLY_ALLOWANCE_S
+    # A request that arrived long before (0.3 s > its prediction here) is due at once.
+    assert await run(c.dispatcher.generate("req-b", PROMPT, sampling(max_tokens=2),
+                                           arrival_s=time.monotonic() - 0.3), []) is None
+    assert c.dispatcher.traces["req-b"].predicted_ttft_s < 0.3
+    assert c.prefill.received[-1].budget.reply_within_s == 0.0
 
 
 def test_the_openai_backend_hands_the_requests_arrival_to_the_dispatcher():

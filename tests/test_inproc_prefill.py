@@ -29,7 +29,8 @@ from model.runner import ModelRunner, kv_pages_view
 from model.sampling import SamplingParams
 from mooncaked.node.config import NodeConfig
 from mooncaked.node.context import NodeContext
-from mooncaked.node.messages import FetchPlan, PrefillRequest, ReservationGrant, StoredBlocks
+from mooncaked.node.messages import (FetchPlan, PrefillBudget, PrefillRequest, ReservationGrant,
+                                     StoredBlocks)
 from mooncaked.node.sections import NodeSection
 from rdma.config import TransferConfig
 from rdma.engine import TransferEngine
@@ -149,10 +150,11 @@ async def open_worker(decode):
 
 
 def spec_for(worker: WorkerNode, request_id: str, prompt: list[int], grant: ReservationGrant,
-             fetch: FetchPlan | None = None) -> PrefillRequest:
+             fetch: FetchPlan | None = None, budget: PrefillBudget | None = None
+             ) -> PrefillRequest:
     return PrefillRequest(request_id=request_id, token_ids=prompt,
                           block_keys=block_keys(prompt, BLOCK, worker.config.store.hash_seed),
-                          decode=grant, sampling=GREEDY, fetch=fetch)
+                          decode=grant, sampling=GREEDY, fetch=fetch, budget=budget)
 
 
 async def prefill(worker: WorkerNode, decode: DecodeSide, request_id: str, prompt: list[int],
@@ -383,11 +385,14 @@ async def service_on(open_worker):
         await svc.close()
 
 
-async def submit_together_and_check(svc, worker, decode, tiny_weights, prompts) -> None:
+async def submit_together_and_check(svc, worker, decode, tiny_weights, prompts,
+                                    budgets: dict[str, PrefillBudget] | None = None) -> None:
     """Queue every prompt before the service takes its next step (one
     gather), then check each reply and its KV against the reference."""
     grants = {rid: decode.reserve(len(p) + GREEDY.max_tokens) for rid, p in prompts.items()}
-    replies = await asyncio.gather(*(svc.submit(spec_for(worker, rid, p, grants[rid]))
+    budgets = budgets or {}
+    replies = await asyncio.gather(*(svc.submit(spec_for(worker, rid, p, grants[rid],
+                                                         budget=budgets.get(rid)))
                                      for rid, p in prompts.items()))
     for (rid, prompt), reply in zip(prompts.items(), replies):
         ref = reference(tiny_weights, prompt)
@@ -424,6 +429,67 @@ async def test_a_batch_stops_at_its_token_budget(open_worker, decode, service_on
                "req-3": tokens(30, seed=6)}
     await submit_together_and_check(svc, worker, decode, tiny_weights, prompts)
     assert (svc.batches, svc.batched_requests) == (1, 2)
+
+
+# (predicted compute s, reply due s after receipt) of req-1, req-2, req-3,
+# and the passes they run in.  The seconds are far above the time the test
+# itself takes between the submits and the pass, so only the sums decide: a
+# request joins while the predicted compute of the pass so far plus its own
+# stays within every earlier member's due time.
+BUDGET_CASES = {
+    # 1 + 3 = 4 <= 5: req-2 joins; 4 + 2 = 6 > 5 (req-1's): req-3 runs next.
+    "the_head_binds": ([(1.0, 5.0), (3.0, 60.0), (2.0, 60.0)],
+                       [["req-1", "req-2"], ["req-3"]]),
+    # 1 + 1 = 2 <= 60: req-2 joins; 2 + 1 = 3 > 2.5, req-2's own due time.
+    "a_later_member_binds": ([(1.0, 60.0), (1.0, 2.5), (1.0, 60.0)],
+                             [["req-1", "req-2"], ["req-3"]]),
+    # 1 + 1 + 1 = 3 <= 60 for each.
+    "all_fit": ([(1.0, 60.0), (1.0, 60.0), (1.0, 60.0)], [["req-1", "req-2", "req-3"]]),
+    # The head is due at once: nothing may delay it; the two behind share a pass.
+    "the_head_is_due_now": ([(1.0, 0.0), (1.0, 60.0), (1.0, 60.0)],
+                            [["req-1"], ["req-2", "req-3"]]),
+}
+PROMPTS_3 = {"req-1": tokens(20, seed=3), "req-2": tokens(17, seed=4), "req-3": tokens(12, seed=6)}
+
+
+def record_steps(svc: PrefillService) -> list[list[str]]:
+    """The request ids of each step the service takes, in order."""
+    steps: list[list[str]] = []
+    take = svc._next_step
+
+    def taking(now: float):
+        step = take(now)
+        steps.append([item.job.spec.request_id for item in step])
+        return step
+
+    svc._next_step = taking
+    return steps
+
+
+@pytest.mark.parametrize("case", BUDGET_CASES)
+async def test_a_request_joins_a_pass_only_while_every_earlier_reply_stays_on_time(
+        open_worker, decode, service_on, tiny_weights, case):
+    """What a request behind the head adds to a batched pass delays every
+    first token in it: it joins only within the slack the conductor's
+    predictions left (PrefillRequest.budget), FIFO order kept."""
+    worker = await open_worker()
+    svc = await service_on(worker, chunk_size=64)
+    steps = record_steps(svc)
+    budgets, passes = BUDGET_CASES[case]
+    await submit_together_and_check(svc, worker, decode, tiny_weights, PROMPTS_3,
+                                    {rid: PrefillBudget(*b) for rid, b in zip(PROMPTS_3, budgets)})
+    assert steps == passes
+    assert svc.completed == 3
+
+
+async def test_with_batching_within_predictions_off_the_token_budget_alone_decides(
+        open_worker, decode, service_on, tiny_weights):
+    worker = await open_worker()
+    svc = await service_on(worker, chunk_size=64, batch_within_predictions=False)
+    steps = record_steps(svc)
+    await submit_together_and_check(svc, worker, decode, tiny_weights, PROMPTS_3,
+                                    {rid: PrefillBudget(1.0, 0.0) for rid in PROMPTS_3})
+    assert steps == [["req-1", "req-2", "req-3"]]
 
 
 async def test_a_batched_reply_does_not_wait_for_the_finish_of_the_one_ahead(

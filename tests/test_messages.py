@@ -26,9 +26,9 @@ from mooncaked.node.messages import (
     Aborted, ActivationSlot, CacheEvents, CacheEventsAck, CacheSnapshot, Cancelled, CppChunk,
     CppHop, CppPlan, CppPrepare, CppPrepared, CppStageReport, CppStart, CppSummary, DecodeStart,
     Deregistration, FetchPlan, Heartbeat, LeaseGrant, LeaseRelease, LeaseRequest, MessageError,
-    NodeRegistration, Ok, PrefetchReply, PrefetchRequest, PrefillReply, PrefillRequest,
-    RegistrationAck, Released, RequestRef, ReservationGrant, ReservationRequest, Route,
-    StreamError, TokenLine, decode_line, sampling_to_wire)
+    NodeRegistration, Ok, PrefetchReply, PrefetchRequest, PrefillBudget, PrefillReply,
+    PrefillRequest, RegistrationAck, Released, RequestRef, ReservationGrant, ReservationRequest,
+    Route, StreamError, TokenLine, decode_line, sampling_to_wire)
 from mooncaked.node.runtime import build_app
 from mooncaked.node.sections import NodeSection
 from roles.conductor.cluster import CLUSTER, ClusterView, add_cache_routes
@@ -40,7 +40,8 @@ SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=3, max_token
 PREFILL = PrefillRequest(request_id="r1", token_ids=list(range(40)), block_keys=[11, 12],
                          decode=GRANT, sampling=SAMPLING,
                          fetch=FetchPlan(source_url="http://127.0.0.1:9/", to_block=2),
-                         cpp=CppPlan(stage_urls=["http://127.0.0.1:10"]))
+                         cpp=CppPlan(stage_urls=["http://127.0.0.1:10"]),
+                         budget=PrefillBudget(prefill_s=0.125, reply_within_s=0.5))
 HOP = CppHop(url="http://127.0.0.1:10", segment="prefill-1", region=2, offset=4096)
 REGISTRATION = NodeRegistration(
     node_id="prefill-0", role="prefill", url="http://127.0.0.1:8001",
@@ -54,7 +55,7 @@ EVERY_MESSAGE = [
     DecodeStart(request_id="r1", prompt_len=40, first_token=7, sampling=SAMPLING),
     TokenLine(token=9, logprob=-0.25, finish_reason=None),
     TokenLine(token=2, logprob=0.0, finish_reason="stop"), StreamError(error="cancelled"),
-    PREFILL, dataclasses.replace(PREFILL, fetch=None, cpp=None),
+    PREFILL, dataclasses.replace(PREFILL, fetch=None, cpp=None, budget=None),
     PrefillReply(first_token=7, logprob=-1.5, local_hit_tokens=16, fetched_tokens=16,
                  computed_tokens=8, fetch_failed="", timings={"compute_s": 0.125, "queue_s": 0.0}),
     PrefillReply(first_token=7, logprob=0.0, timings={},
@@ -95,9 +96,10 @@ def test_the_wire_keeps_the_shapes_nodes_already_speak():
         "sampling": dataclasses.asdict(SAMPLING),
         "decode": {"segment": "decode-0", "region": 1, "pages": [4, 5, 6]},
         "fetch": {"source_url": "http://127.0.0.1:9/", "to_block": 2},
-        "cpp": {"stage_urls": ["http://127.0.0.1:10"]}}
-    plain = dataclasses.replace(PREFILL, fetch=None, cpp=None).to_wire()
-    assert "fetch" not in plain and "cpp" not in plain
+        "cpp": {"stage_urls": ["http://127.0.0.1:10"]},
+        "budget": {"prefill_s": 0.125, "reply_within_s": 0.5}}
+    plain = dataclasses.replace(PREFILL, fetch=None, cpp=None, budget=None).to_wire()
+    assert "fetch" not in plain and "cpp" not in plain and "budget" not in plain
     reply = PrefillReply(first_token=7, logprob=-1.5, local_hit_tokens=16, fetched_tokens=8,
                          timings={"compute_s": 0.1234567}).to_wire()
     assert reply["cached_tokens"] == 24 and reply["timings"] == {"compute_s": 0.123457}
@@ -166,6 +168,10 @@ REGISTRATION_WIRE = REGISTRATION.to_wire()
     (PrefillRequest, _with(PREFILL_WIRE, "sampling.seed", "s"), "prefill.sampling.seed",
      "expected an integer"),
     (PrefillRequest, [PREFILL_WIRE], "prefill", "expected a JSON object, got a list"),
+    (PrefillRequest, _with(PREFILL_WIRE, "budget.reply_within_s", -0.5),
+     "prefill.budget.reply_within_s", "expected a finite number of seconds >= 0, got -0.5"),
+    (PrefillRequest, _with(PREFILL_WIRE, "budget.prefill_s", ...), "prefill.budget.prefill_s",
+     "missing"),
     (CppPrepare, PREFILL_WIRE, "cpp.prepare.max_prefix_blocks", "missing"),
     (CppStart, {"request_id": "r", "prefix_blocks": 0, "next": {**HOP.to_wire(), "offset": "x"}},
      "cpp.start.next.offset", "expected a non-negative integer, got 'x'"),

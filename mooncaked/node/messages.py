@@ -166,6 +166,14 @@ def number(v: Any, where: str) -> float:
     return float(v)
 
 
+def seconds(v: Any, where: str) -> float:
+    """A finite number of seconds, not negative."""
+    x = number(v, where)
+    if not 0.0 <= x < float("inf"):
+        raise _expected("a finite number of seconds >= 0", v, where)
+    return x
+
+
 def string(v: Any, where: str) -> str:
     if not isinstance(v, str):
         raise _expected("a string", v, where)
@@ -417,6 +425,18 @@ class CppPlan(Message):
 
 
 @dataclass(frozen=True)
+class PrefillBudget(Message):
+    """The conductor's prediction for one request, as the prefill node can
+    use it: its compute (``prefill_s``) and how long after the node receives
+    it the reply must leave for the predicted TTFT to hold
+    (``reply_within_s``).  The node lets requests queued behind it join its
+    batched pass only while the pass still ends within that (PrefillService):
+    what a batch adds is then slack the prediction already held."""
+    prefill_s: float = wire(seconds)
+    reply_within_s: float = wire(seconds)
+
+
+@dataclass(frozen=True)
 class PrefillRequest(Message):
     """Conductor -> prefill node: the request, the reuse plan and the decode target."""
     WHERE = "prefill"
@@ -427,6 +447,8 @@ class PrefillRequest(Message):
     sampling: SamplingParams = wire(sampling, factory=SamplingParams)
     fetch: FetchPlan | None = wire(message(FetchPlan), None, omit_none=True)
     cpp: CppPlan | None = wire(message(CppPlan), None, omit_none=True)
+    # None: no prediction to keep (the node batches by its token budget alone).
+    budget: PrefillBudget | None = wire(message(PrefillBudget), None, omit_none=True)
 
     @classmethod
     def from_wire(cls, obj: Any, where: str | None = None, *,

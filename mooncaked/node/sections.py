@@ -149,6 +149,11 @@ class PrefillSection:
     # short prompt's first token waited for up to 4k tokens queued behind it,
     # which no TTFT prediction can see (docs/bench.md, stop 22).
     batch_tokens: int = 512
+    # A request joins a batched pass only while the pass, as the conductor
+    # predicted its members' compute, still ends before every earlier
+    # member's reply is due for its predicted TTFT (the conductor sends both
+    # with each request).  false = join whenever batch_tokens allows.
+    batch_within_predictions: bool = True
     # Largest number of requests waiting in the prefill queue (503 above).
     max_queue: int = 256
     # Give up on a peer prefix fetch after this long and recompute instead.

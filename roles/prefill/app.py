@@ -104,7 +104,8 @@ def add_prefill_service(app: web.Application, ctx: NodeContext) -> None:
         worker = app[WORKER]
         svc = PrefillService(worker, cfg.model.prefill_chunk, cfg.prefill.max_queue,
                              cfg.prefill.fetch_timeout_s, cfg.prefill.prefix_cache,
-                             cfg.prefill.cpp_chunk_timeout_s, cfg.prefill.batch_tokens)
+                             cfg.prefill.cpp_chunk_timeout_s, cfg.prefill.batch_tokens,
+                             cfg.prefill.batch_within_predictions)
         stages = None
         if worker.cpp:
             stages = CppStages(worker, cfg.model.prefill_chunk, cfg.prefill.cpp_chunk_timeout_s)

@@ -5,9 +5,14 @@ a CPP request drives its whole group) or a batch of short ones: queued
 requests whose prompts fit in ``prefill_chunk`` tokens are taken together,
 up to ``batch_tokens`` tokens, and computed in one forward pass (each still
 attends only to its own pages).  KV streaming, peer fetches and HTTP stay on
-the event loop meanwhile.  The queue's estimated work (tokens still to
-compute / measured tokens per second) is what the node reports to the
-conductor as its queued prefill time.
+the event loop meanwhile.  Every request of a batched pass waits for the
+whole pass, so a request joins only while the pass, as the conductor
+predicted its members' compute, still ends before every earlier member's
+reply is due (``PrefillRequest.budget``): a batch then spends the slack the
+predictions held and never delays a first token past its prediction.  The
+queue's estimated work (tokens still to compute / measured tokens per
+second) is what the node reports to the conductor as its queued prefill
+time.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +42,11 @@ class _Queued:
     enqueued_at: float
     queue_s: float = 0.0
     started_at: float | None = None  # perf_counter() when its step began
+    # perf_counter() by which its reply is due for the conductor's predicted
+    # TTFT to hold, and the compute the conductor predicted for it (inf and
+    # None: no prediction came with it).
+    reply_due: float = math.inf
+    predicted_s: float | None = None
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -46,7 +57,7 @@ class QueueFull(Exception):
 class PrefillService:
     def __init__(self, worker: WorkerNode, chunk_size: int, max_queue: int, fetch_timeout_s: float,
                  prefix_cache: bool = True, cpp_timeout_s: float = 60.0,
-                 batch_tokens: int = 512) -> None:
+                 batch_tokens: int = 512, batch_within_predictions: bool = True) -> None:
         self.worker = worker
         self.chunk_size = chunk_size
         self.max_queue = max_queue
@@ -54,6 +65,7 @@ class PrefillService:
         self.prefix_cache = prefix_cache
         self.cpp_timeout_s = cpp_timeout_s
         self.batch_tokens = batch_tokens
+        self.batch_within_predictions = batch_within_predictions
         self.queue: collections.deque[_Queued] = collections.deque()
         self._wake = asyncio.Event()
         self.jobs: dict[str, PrefillJob | GroupPrefill] = {}
@@ -92,7 +104,11 @@ class PrefillService:
                 raise ValueError("this node is a pipeline stage: it only serves CPP requests")
             job = PrefillJob(spec, self.worker, self.chunk_size, self.fetch_timeout_s,
                              self.prefix_cache)
-        item = _Queued(job, self._tokens_to_compute(spec), time.perf_counter())
+        now = time.perf_counter()
+        item = _Queued(job, self._tokens_to_compute(spec), now)
+        if spec.budget is not None and self.batch_within_predictions:
+            item.reply_due = now + spec.budget.reply_within_s
+            item.predicted_s = spec.budget.prefill_s
         self.jobs[spec.request_id] = job
         self.queued_tokens += item.tokens
         self.queue.append(item)
@@ -129,17 +145,37 @@ class PrefillService:
         return isinstance(item.job, PrefillJob) and item.tokens <= self.chunk_size \
             and item.job.spec.fetch is None
 
-    def _next_step(self) -> list[_Queued]:
+    def _compute_estimate_s(self, item: _Queued) -> float:
+        """The compute a queued request adds to a pass: the conductor's
+        prediction when it sent one, else its tokens at the measured speed."""
+        if item.predicted_s is not None:
+            return item.predicted_s
+        return item.tokens / self.tokens_per_s
+
+    def _next_step(self, now: float) -> list[_Queued]:
         """The head of the queue, plus the short requests right behind it when
-        it is short itself (FIFO order is kept: batching stops at the first
-        request that does not fit)."""
-        step = [self.queue.popleft()]
-        if self._batchable(step[0]):
-            tokens = step[0].tokens
+        it is short itself.  FIFO order is kept: batching stops at the first
+        request that does not fit the token budget, or whose compute would
+        end the pass after a reply already in it is due (a request behind
+        delays every first token of the pass; one ahead was counted in the
+        prediction of the one behind it, so only the earlier members'
+        deadlines bind)."""
+        head = self.queue.popleft()
+        step = [head]
+        if self._batchable(head):
+            tokens = head.tokens
+            ends_at = now + self._compute_estimate_s(head)
+            due = head.reply_due
             while self.queue and self._batchable(self.queue[0]) \
                     and tokens + self.queue[0].tokens <= self.batch_tokens:
+                ends_with = ends_at + self._compute_estimate_s(self.queue[0])
+                if ends_with > due:
+                    break
                 tokens += self.queue[0].tokens
-                step.append(self.queue.popleft())
+                ends_at = ends_with
+                item = self.queue.popleft()
+                due = min(due, item.reply_due)
+                step.append(item)
         return step
 
     async def _run(self) -> None:
@@ -148,7 +184,7 @@ class PrefillService:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            step = self._next_step()
+            step = self._next_step(time.perf_counter())
             self.running = step
             try:
                 if len(step) == 1:

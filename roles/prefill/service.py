@@ -9,7 +9,8 @@ the event loop meanwhile.  Every request of a batched pass waits for the
 whole pass, so a request joins only while the pass, as the conductor
 predicted its members' compute, still ends before every earlier member's
 reply is due (``PrefillRequest.budget``): a batch then spends the slack the
-predictions held and never delays a first token past its prediction.  The
+predictions held, and delays a first token past its prediction only as far
+as the predicted compute of the pass falls short of the real one.  The
 queue's estimated work (tokens still to compute / measured tokens per
 second) is what the node reports to the conductor as its queued prefill
 time.

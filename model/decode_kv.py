@@ -78,13 +78,29 @@ class SeqKV:
             return
         bs = kv_pages.shape[3]
         first, last = start // bs, -(-position // bs)
-        # [n, layers, 2, bs, kvh, hd] -> [layers, 2, kvh, n * bs, hd]; only
-        # this once-per-sequence copy pays for the permute.
         slabs = torch.index_select(kv_pages, 0, block_table[first:last])
-        layers, _, _, kvh, hd = slabs.shape[1:]
-        flat = slabs.permute(1, 2, 4, 0, 3, 5).reshape(layers, 2, kvh, -1, hd)
+        # [n, layers, 2, bs, kvh, hd] seen as [layers, 2, kvh, n, bs, hd].
+        pages_view = slabs.permute(1, 2, 4, 0, 3, 5)
         off = first * bs
-        self.kv[:, :, :, start:position].copy_(flat[:, :, :, start - off:position - off])
+        if start == off:
+            # From a page boundary (a sequence's first sync): whole pages
+            # straight into the mirror, one copy fewer than the reshape below
+            # (1.4 -> 0.8-1.0 ms for 1,100 tokens of the benchmark model).  It
+            # writes the rest of the last page too, positions >= `position`:
+            # they are unfilled, so never read before a put or sync rewrites
+            # them.  A last page running past the capacity is cut there.
+            n = last - first
+            whole = min(n, (self.capacity - off) // bs)
+            if whole:
+                self.kv[:, :, :, off:off + whole * bs].unflatten(3, (whole, bs)).copy_(
+                    pages_view[:, :, :, :whole])
+            if whole < n:
+                tail = off + whole * bs
+                self.kv[:, :, :, tail:].copy_(pages_view[:, :, :, whole, :self.capacity - tail])
+        else:
+            # [layers, 2, kvh, n * bs, hd]: the reshape copies the permute.
+            flat = pages_view.reshape(*pages_view.shape[:3], -1, pages_view.shape[-1])
+            self.kv[:, :, :, start:position].copy_(flat[:, :, :, start - off:position - off])
         self.filled = position
 
     def put(self, layer: int, position: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -115,6 +115,33 @@ def test_mirrored_steps_give_the_gathered_steps_logits_bit_for_bit(weights):
                            gathered_kv(mirrored, tables[rid], mirror.filled))
 
 
+@pytest.mark.parametrize("capacity,filled,position", [
+    (20, 0, 18),    # from a page boundary; the last page runs past the capacity: cut there
+    (20, 0, 16),    # ends on a page boundary
+    (40, 0, 37),    # whole pages only (the last one's rest is written, unfilled)
+    (40, 16, 37),   # from a later page boundary
+    (40, 5, 37),    # from inside a page: only [filled, position) is copied
+    (40, 0, 3),     # inside the first page
+])
+def test_sync_copies_what_the_pages_hold(capacity, filled, position):
+    """``SeqKV.sync`` against the pages gathered by hand, whichever path it
+    takes: positions [0, position) equal the pages', the positions filled
+    before are left as they were."""
+    torch.manual_seed(5)
+    pages = torch.randn(6, LAYOUT.num_layers, 2, BLOCK, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    table = [4, 1, 5]                                   # out of order on purpose
+    mirror = SeqKV.like_pages(pages, capacity)
+    mirror.kv.fill_(float("nan"))
+    flat = pages[table].permute(1, 2, 4, 0, 3, 5).reshape(
+        LAYOUT.num_layers, 2, LAYOUT.num_kv_heads, -1, LAYOUT.head_dim)
+    # What a mirror filled up to `filled` holds: the pages' values there.
+    mirror.kv[:, :, :, :filled] = flat[:, :, :, :filled]
+    mirror.filled = filled
+    mirror.sync(pages, torch.tensor(table), position)
+    assert mirror.filled == position
+    assert torch.equal(mirror.kv[:, :, :, :position], flat[:, :, :, :position])
+
+
 def test_a_step_back_recomputes_from_the_pages(weights):
     """A position at or below ``filled`` (the caller repeats a step) is
     rewritten: the same logits as the first time."""

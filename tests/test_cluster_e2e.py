@@ -93,9 +93,15 @@ def test_nothing_stays_pinned_after_requests(cluster):
     assert leaked(cluster) == {}
 
 
-def test_concurrent_short_prompts_are_prefilled_in_batches(cluster):
+def test_concurrent_short_prompts_are_prefilled_in_batches(local_cluster):
+    """Batched passes end to end.  With prefill.batch_within_predictions (the
+    default) a request joins a pass only within the slack its predecessors'
+    predicted TTFTs hold, which a burst on an idle cluster does not have
+    (test_inproc_prefill.py covers that rule): this cluster batches by the
+    token budget alone, on one prefill node that the whole burst queues on."""
     from concurrent.futures import ThreadPoolExecutor
 
+    cluster = local_cluster(prefill=1, extra=["prefill.batch_within_predictions=false"])
     prompts = [tokens(18 + i, seed=300 + i) for i in range(8)]  # each fits one chunk (32)
 
     def status_batches() -> int:

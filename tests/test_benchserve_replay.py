@@ -97,10 +97,22 @@ def test_synthetic_slice_replays_and_report_matches_records(cluster, tmp_path):
         sum(r["server"]["prefill_compute_s"] for r in ok))
     assert run.summary == summary
 
-    # No request is credited more than the prefix it shares with earlier
-    # requests of the slice (cluster blocks are whole hash-id blocks here).
-    for r in ok:
-        assert r["cached_tokens"] <= r["shared_prefix_tokens"] // BLOCK * BLOCK, r
+    # No request is credited more than the prefix it shares with another
+    # request of the slice (cluster blocks are whole hash-id blocks here).
+    # Usually that is an earlier one (shared_prefix_tokens), but a request
+    # sent later can overtake it: #49, sent 18 ms after #42 in this burst,
+    # reached their prefill node first in one run, and #42 then reused the 57
+    # blocks #49 had stored.
+    def common_ids(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    for r, q in zip(records, reqs):
+        if r["status"] == "ok":
+            shared = max(common_ids(q.hash_ids, o.hash_ids) for o in reqs if o is not q)
+            assert r["cached_tokens"] <= shared * BLOCK, r
     # A sharer whose origin had finished well before it was sent must hit.
     # (In this burst the slice's one sharer, trace #49 sharing 57 ids with
     # #42, usually races its origin, so this is checked when it applies...)

@@ -480,6 +480,8 @@ async def test_a_request_joins_a_pass_only_while_every_earlier_reply_stays_on_ti
                                     {rid: PrefillBudget(*b) for rid, b in zip(PROMPTS_3, budgets)})
     assert steps == passes
     assert svc.completed == 3
+    # Each pass cut short by a due time, not by the token budget, is counted.
+    assert svc.load()["batch_joins_declined"] == len(passes) - 1
 
 
 async def test_with_batching_within_predictions_off_the_token_budget_alone_decides(
@@ -490,6 +492,7 @@ async def test_with_batching_within_predictions_off_the_token_budget_alone_decid
     await submit_together_and_check(svc, worker, decode, tiny_weights, PROMPTS_3,
                                     {rid: PrefillBudget(1.0, 0.0) for rid in PROMPTS_3})
     assert steps == [["req-1", "req-2", "req-3"]]
+    assert svc.load()["batch_joins_declined"] == 0
 
 
 async def test_a_batched_reply_does_not_wait_for_the_finish_of_the_one_ahead(

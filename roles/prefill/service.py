@@ -73,6 +73,9 @@ class PrefillService:
         self.running: list[_Queued] = []
         self.batches = 0
         self.batched_requests = 0
+        # Passes a queued request fitting batch_tokens did not join because the
+        # pass would have ended after an earlier member's reply was due.
+        self.batch_joins_declined = 0
         self.queued_tokens = 0
         # Measured compute speed (EWMA), seeded with a pessimistic guess.
         self.tokens_per_s = 2000.0
@@ -171,6 +174,7 @@ class PrefillService:
                     and tokens + self.queue[0].tokens <= self.batch_tokens:
                 ends_with = ends_at + self._compute_estimate_s(self.queue[0])
                 if ends_with > due:
+                    self.batch_joins_declined += 1
                     break
                 tokens += self.queue[0].tokens
                 ends_at = ends_with
@@ -339,6 +343,7 @@ class PrefillService:
         shares = self._running_shares()
         return {"queue_len": len(self.queue) + len(self.running),
                 "batches": self.batches, "batched_requests": self.batched_requests,
+                "batch_joins_declined": self.batch_joins_declined,
                 "queued_tokens": self.queued_tokens,
                 "queued_prefill_s": self.queued_tokens / self.tokens_per_s,
                 "prefill_tokens_per_s": round(self.tokens_per_s, 1),

@@ -66,8 +66,8 @@ class SeqKV:
 
     def sync(self, kv_pages: torch.Tensor, block_table: torch.Tensor, position: int) -> None:
         """Make positions [0, position) equal the pages' (a step at ``position``
-        attends over them): copies [filled, position) from the pages of
-        ``block_table`` (page ids, a long tensor), all layers at once.  Once
+        attends over them): copies the pages of ``block_table`` (page ids, a
+        long tensor) holding [filled, position), all layers at once.  Once
         filled, a decode step calls this with position == filled: no copy."""
         if not 0 <= position < self.capacity:
             raise ValueError(f"position {position} outside the mirror's [0, {self.capacity})")
@@ -79,28 +79,23 @@ class SeqKV:
         bs = kv_pages.shape[3]
         first, last = start // bs, -(-position // bs)
         slabs = torch.index_select(kv_pages, 0, block_table[first:last])
-        # [n, layers, 2, bs, kvh, hd] seen as [layers, 2, kvh, n, bs, hd].
+        # [n, layers, 2, bs, kvh, hd] seen as [layers, 2, kvh, n, bs, hd],
+        # copied as whole pages straight into the mirror (a reshape to
+        # positions first cost one copy more: 1.4 -> 0.8-1.0 ms for 1,100
+        # tokens of the benchmark model).  Whole pages also rewrite [page
+        # start, start), which already equals the pages (the invariant), and
+        # the last page's rest past `position`, which is unfilled and so never
+        # read before a put or sync rewrites it.  A last page running past the
+        # capacity is cut there.
         pages_view = slabs.permute(1, 2, 4, 0, 3, 5)
-        off = first * bs
-        if start == off:
-            # From a page boundary (a sequence's first sync): whole pages
-            # straight into the mirror, one copy fewer than the reshape below
-            # (1.4 -> 0.8-1.0 ms for 1,100 tokens of the benchmark model).  It
-            # writes the rest of the last page too, positions >= `position`:
-            # they are unfilled, so never read before a put or sync rewrites
-            # them.  A last page running past the capacity is cut there.
-            n = last - first
-            whole = min(n, (self.capacity - off) // bs)
-            if whole:
-                self.kv[:, :, :, off:off + whole * bs].unflatten(3, (whole, bs)).copy_(
-                    pages_view[:, :, :, :whole])
-            if whole < n:
-                tail = off + whole * bs
-                self.kv[:, :, :, tail:].copy_(pages_view[:, :, :, whole, :self.capacity - tail])
-        else:
-            # [layers, 2, kvh, n * bs, hd]: the reshape copies the permute.
-            flat = pages_view.reshape(*pages_view.shape[:3], -1, pages_view.shape[-1])
-            self.kv[:, :, :, start:position].copy_(flat[:, :, :, start - off:position - off])
+        off, n = first * bs, last - first
+        whole = min(n, (self.capacity - off) // bs)
+        if whole:
+            self.kv[:, :, :, off:off + whole * bs].unflatten(3, (whole, bs)).copy_(
+                pages_view[:, :, :, :whole])
+        if whole < n:
+            tail = off + whole * bs
+            self.kv[:, :, :, tail:].copy_(pages_view[:, :, :, whole, :self.capacity - tail])
         self.filled = position
 
     def put(self, layer: int, position: int, k: torch.Tensor, v: torch.Tensor) -> None:

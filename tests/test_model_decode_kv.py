@@ -120,7 +120,7 @@ def test_mirrored_steps_give_the_gathered_steps_logits_bit_for_bit(weights):
     (20, 0, 16),    # ends on a page boundary
     (40, 0, 37),    # whole pages only (the last one's rest is written, unfilled)
     (40, 16, 37),   # from a later page boundary
-    (40, 5, 37),    # from inside a page: only [filled, position) is copied
+    (40, 5, 37),    # from inside a page: its first 5 positions rewritten as they were
     (40, 0, 3),     # inside the first page
 ])
 def test_sync_copies_what_the_pages_hold(capacity, filled, position):

@@ -11,8 +11,10 @@ buffers and fitted estimators see the slice's shapes; its cache hits stay its
 own), then the slice replayed at that rate (arrival = trace timestamp / rate).
 Servers alternate within a rate, so machine drift hits both.  mooncaked is started through the real ``mooncaked up``
 command line (``--up-args``, default: its defaults), so what is measured is
-the layout ``up`` picks for this machine.  vLLM: ``vllm_compare.vllm_target``
-(its venv is built on first use, about 3.5 GB).
+the layout ``up`` picks for this machine; its store gets the KV memory
+vLLM gets (2 GiB, split between the nodes) unless ``--up-args`` sets
+store.capacity_bytes.  vLLM: ``vllm_compare.vllm_target`` (its venv is built
+on first use, about 3.5 GB).
 
 Writes sweep.json, sweep.md and sweep.png (goodput, in-SLO share of accepted
 requests, TTFT p90 and ITL p90 against the offered rate) under ``--out``.  A
@@ -43,7 +45,8 @@ from mooncaked.benchserve.replay import ReplayConfig, run_replay  # noqa: E402
 from mooncaked.benchserve.report import Slo  # noqa: E402
 from mooncaked.benchserve.session import MACHINE_NOTE, run_bench  # noqa: E402
 from mooncaked.benchserve.workload import WorkloadConfig, build_workload, warmup_slice  # noqa: E402
-from vllm_compare import ensure_vllm_venv, prepare_checkpoint, vllm_target  # noqa: E402
+from vllm_compare import (VLLM_KV_CACHE_GIB, ensure_vllm_venv, prepare_checkpoint,  # noqa: E402
+                          vllm_target)
 
 
 def log(msg: str) -> None:
@@ -97,6 +100,10 @@ def up_target(model_dir: Path, up_args: list[str], log_dir: Path, start_timeout_
     return Target("mooncaked", f"mooncaked up {shlex.join(up_args) or '(defaults)'}", start, stop)
 
 
+UP_NODES_ON_2_CORES = 3
+KV_BYTES_PER_NODE = VLLM_KV_CACHE_GIB * 2**30 // UP_NODES_ON_2_CORES
+
+
 def server_targets(wanted: list[str], model_dir: Path, max_len: int, block_tokens: int,
                    args: argparse.Namespace) -> list[Target]:
     """The servers named in ``wanted`` (mooncaked, vllm) on one checkpoint;
@@ -109,6 +116,14 @@ def server_targets(wanted: list[str], model_dir: Path, max_len: int, block_token
             "--set", f"store.block_size={block_tokens}",
             "--set", f"conductor.ttft_slo_s={args.ttft_slo}",
             "--set", f"conductor.tbt_slo_ms={args.tbt_slo}"]
+        if not any(a.startswith("store.capacity_bytes=") for a in up_args):
+            # The KV memory vLLM gets, split between the nodes of the layout
+            # `up` picks on 2 cores (a prefill node, the borrower, a decode
+            # node).  With the store's default 256 MiB a node, prefixes of
+            # the Synthetic trace were evicted before their reuse 30 s later
+            # (3.8k of 9.6k reusable tokens lost at 1x), which vLLM's 2 GiB
+            # kept.
+            up_args += ["--set", f"store.capacity_bytes={KV_BYTES_PER_NODE}"]
         targets.append(up_target(model_dir, up_args, args.out / "logs", 240.0))
     if "vllm" in wanted:
         python = ensure_vllm_venv(args.workdir / "venv-vllm")

@@ -118,6 +118,11 @@ def ensure_vllm_venv(venv: Path) -> Path:
     return python
 
 
+# vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE), GiB: the memory the comparison
+# gives each server for KV (rate_sweep splits it between mooncaked's nodes).
+VLLM_KV_CACHE_GIB = 2
+
+
 def vllm_target(python: Path, model_dir: Path, max_model_len: int, log_path: Path,
                 start_timeout_s: float) -> Target:
     state: dict[str, subprocess.Popen] = {}
@@ -126,7 +131,7 @@ def vllm_target(python: Path, model_dir: Path, max_model_len: int, log_path: Pat
     def start() -> str:
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1",
                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "HF_HUB_OFFLINE": "1",
-               "VLLM_CPU_KVCACHE_SPACE": "2"}
+               "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB)}
         cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--served-model-name", "model", "--enable-prefix-caching", "--dtype", "float32",
                "--max-model-len", str(max_model_len), "--enable-prompt-tokens-details",

@@ -568,6 +568,8 @@ async def test_a_predicted_ttft_miss_is_429_with_retry_after(conductor_for, tmp_
     # the node reports it running): 9.99 on a slow machine, never below 9.9 here.
     predicted = float(re.search(r"predicted TTFT ([0-9.]+)s", error.message).group(1))
     assert 9.9 < predicted <= 10.0, error.message
+    # ... and the limit it exceeded: 90% of the SLO (no record of errors yet).
+    assert "over the admit limit 6.3s" in error.message, error.message
     assert [r.request_id for r in c.decode.reserves] == ["req-a"]   # no node saw req-b
     assert set(c.sched.inflight) == {"req-a"} and c.sched.rejections == {"ttft_slo": 1}
 
@@ -583,6 +585,7 @@ async def test_a_predicted_tbt_miss_is_429(conductor_for):
     error = await run(c.dispatcher.generate("req-tbt", PROMPT, sampling()), [])
     assert error is not None and error.status == 429 and error.code == "tbt_slo"
     assert error.headers == {"Retry-After": "1"}
+    assert "over the admit limit 0.9ms" in error.message, error.message   # 90% of the SLO
     assert c.decode.reserves == [] and c.prefill.received == []
     c.assert_capacity_returned()
 

@@ -675,6 +675,55 @@ def test_a_node_with_a_record_of_small_errors_admits_closer_to_the_slo():
         SchedulerConfig(ttft_margin_errors=-1)
 
 
+def test_errors_of_predictions_the_prior_priced_stay_out_of_the_nodes_record():
+    """The cluster starts from a guess of 2 ms a token and runs at 1 ms; the
+    node's fit refits after 5 samples.  Requests priced by the guess, and one
+    priced by the fit but queued behind work the guess priced, carry the
+    guess's error: they must not hold the admit limit down once the fit has
+    run (seen after start-up: such errors of 0.1-0.6 s held a node's limit
+    near 0.63 s of a 1 s SLO for the next 64 requests)."""
+    s = Scheduler(SchedulerConfig(policy="mooncake", ttft_slo_s=1.0, tbt_slo_s=1.0,
+                                  kv_bytes_per_token=1000, per_node_prefill_fit=True,
+                                  slo_admit_fraction=0.9, ttft_margin_errors=2.0,
+                                  ttft_margin_half_life_s=1e9),
+                  PolynomialPrefillEstimator({"n": 2e-3}, refit_every=5, window=5),
+                  TransferEstimator(1e9), DecodeEstimator(0.02, 0.001, 0.0))
+    s.add_prefill_node("p0")
+    s.add_decode_node("d0", page_budget=10_000, page_tokens=BS)
+    # Six requests at once, priced by the guess (0.1 s each, queued FIFO).
+    for i in range(6):
+        assert s.schedule(req(f"e{i}", 50), now=0.0).t_prefill == pytest.approx(0.1)
+    for i in range(5):   # each took 0.05 s: the fit has run after these five
+        s.on_prefill_finished("p0", f"e{i}", now=0.05 * (i + 1), actual_seconds=0.05)
+    assert s.estimator_for("p0").seconds(50, 0) == pytest.approx(0.05)
+    # Priced by the fit, but queued behind e5, which the guess priced.
+    x = s.schedule(req("x", 50), now=0.26)
+    assert x.t_prefill == pytest.approx(0.05)
+    s.on_prefill_finished("p0", "e5", now=0.3, actual_seconds=0.05)
+    s.on_prefill_finished("p0", "x", now=1.2, actual_seconds=0.05)   # 0.8 s late
+    for rid in [f"e{i}" for i in range(6)] + ["x"]:
+        s.on_decode_finished("d0", rid, now=2.0)
+
+    def serve(i):   # priced by the fit, nothing ahead; first token 20 ms late
+        d = s.schedule(req(f"r{i}", 50), now=10.0 * (i + 1))
+        s.on_prefill_finished("p0", f"r{i}", now=10.0 * (i + 1) + d.predicted_ttft_s + 0.02,
+                              actual_seconds=0.05)
+        s.on_decode_finished("d0", f"r{i}", now=10.0 * (i + 1) + 5.0)
+
+    for i in range(15):
+        serve(i)
+    # 15 errors on record: fewer than the 16 a learned headroom needs.
+    assert s.node_mean_abs_error("p0") == 0.0
+    assert s.ttft_admit_limit("p0", 200.0) == pytest.approx(0.9)
+    serve(15)
+    # 16 errors of 20 ms: headroom 2 x 0.02.  (Counted too, the seven above,
+    # 0.05-0.8 s off, would put the limit at 0.81.)
+    assert s.node_mean_abs_error("p0") == pytest.approx(0.02)
+    assert s.ttft_admit_limit("p0", 200.0) == pytest.approx(0.96)
+    # The errors are still reported over every request.
+    assert len(s.ttft_errors) == 23
+
+
 def test_a_node_whose_record_refuses_everything_admits_again_after_idle_half_lives():
     """A record bad enough to refuse every request would never be renewed
     (nothing refused finishes): while the node finishes nothing, its learned

@@ -6,6 +6,7 @@ simulated clock in the simulator); the core never reads a clock itself.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -82,6 +83,8 @@ class PendingPrefill:
     # Work the node said it had done on it by `started_at` (a node that
     # yields its cores reports CPU seconds, not time since it started).
     worked_before_s: float = 0.0
+    # Its estimate came from a prior no measurement had refitted yet.
+    priced_by_prior: bool = False
 
     def remaining_s(self, now: float, use_expected_start: bool = False,
                     progress: Progress = wall_progress) -> float:
@@ -351,3 +354,7 @@ class Rejection(NamedTuple):
     predicted_ttft_s: float
     predicted_tbt_s: float
     retry_after_s: float
+    # The admit limit the prediction exceeded (the TTFT limit of the chosen
+    # prefill node for "ttft_slo", the TBT limit for "tbt_slo"); inf when no
+    # prediction was compared with one.
+    limit_s: float = math.inf

@@ -12,8 +12,8 @@ own), then the slice replayed at that rate (arrival = trace timestamp / rate).
 Servers alternate within a rate, so machine drift hits both.  mooncaked is started through the real ``mooncaked up``
 command line (``--up-args``, default: its defaults), so what is measured is
 the layout ``up`` picks for this machine; its store gets the KV memory
-vLLM gets (2 GiB, split between the nodes) unless ``--up-args`` sets
-store.capacity_bytes.  vLLM: ``vllm_compare.vllm_target`` (its venv is built
+vLLM gets (2 GiB, split between the nodes of ``up``'s default layout) unless
+``--up-args`` sets store.capacity_bytes.  vLLM: ``vllm_compare.vllm_target`` (its venv is built
 on first use, about 3.5 GB).
 
 Writes sweep.json, sweep.md and sweep.png (goodput, in-SLO share of accepted
@@ -45,6 +45,7 @@ from mooncaked.benchserve.replay import ReplayConfig, run_replay  # noqa: E402
 from mooncaked.benchserve.report import Slo  # noqa: E402
 from mooncaked.benchserve.session import MACHINE_NOTE, run_bench  # noqa: E402
 from mooncaked.benchserve.workload import WorkloadConfig, build_workload, warmup_slice  # noqa: E402
+from mooncaked.placement import CONDUCTOR, default_prefill_nodes, place  # noqa: E402
 from vllm_compare import (VLLM_KV_CACHE_GIB, ensure_vllm_venv, prepare_checkpoint,  # noqa: E402
                           vllm_target)
 
@@ -100,8 +101,13 @@ def up_target(model_dir: Path, up_args: list[str], log_dir: Path, start_timeout_
     return Target("mooncaked", f"mooncaked up {shlex.join(up_args) or '(defaults)'}", start, stop)
 
 
-UP_NODES_ON_2_CORES = 3
-KV_BYTES_PER_NODE = VLLM_KV_CACHE_GIB * 2**30 // UP_NODES_ON_2_CORES
+def up_default_nodes() -> int:
+    """The nodes `mooncaked up` runs by default on this machine (its own
+    placement rules; the conductor not counted): on 2 cores a prefill node,
+    the borrower and a decode node."""
+    cpus = os.sched_getaffinity(0)
+    layout = place(cpus, default_prefill_nodes(cpus, 1), 1, borrow=True)
+    return sum(1 for n in layout.nodes if n.role != CONDUCTOR)
 
 
 def server_targets(wanted: list[str], model_dir: Path, max_len: int, block_tokens: int,
@@ -118,12 +124,13 @@ def server_targets(wanted: list[str], model_dir: Path, max_len: int, block_token
             "--set", f"conductor.tbt_slo_ms={args.tbt_slo}"]
         if not any(a.startswith("store.capacity_bytes=") for a in up_args):
             # The KV memory vLLM gets, split between the nodes of the layout
-            # `up` picks on 2 cores (a prefill node, the borrower, a decode
-            # node).  With the store's default 256 MiB a node, prefixes of
-            # the Synthetic trace were evicted before their reuse 30 s later
-            # (3.8k of 9.6k reusable tokens lost at 1x), which vLLM's 2 GiB
-            # kept.
-            up_args += ["--set", f"store.capacity_bytes={KV_BYTES_PER_NODE}"]
+            # `up` picks by default (--up-args that change the node counts
+            # should set store.capacity_bytes too).  With the store's default
+            # 256 MiB a node, prefixes of the Synthetic trace were evicted
+            # before their reuse 30 s later (3.8k of 9.6k reusable tokens lost
+            # at 1x), which vLLM's 2 GiB kept.
+            per_node = VLLM_KV_CACHE_GIB * 2**30 // up_default_nodes()
+            up_args += ["--set", f"store.capacity_bytes={per_node}"]
         targets.append(up_target(model_dir, up_args, args.out / "logs", 240.0))
     if "vllm" in wanted:
         python = ensure_vllm_venv(args.workdir / "venv-vllm")

@@ -52,6 +52,20 @@ def node(
         None, "--served-model-name",
         help="Model id the OpenAI API answers to, as vLLM spells it (default: --model) "
              "[conductor.served_model_name]."),
+    ttft_slo_s: Optional[float] = typer.Option(
+        None, "--ttft-slo-s", min=0.001,
+        help="Conductor: time-to-first-token SLO in seconds; a request predicted to miss it "
+             "gets a 429 naming the limit (default 1, an interactive service) "
+             "[conductor.ttft_slo_s]."),
+    tbt_slo_ms: Optional[float] = typer.Option(
+        None, "--tbt-slo-ms", min=0.001,
+        help="Conductor: time-between-tokens SLO in ms, checked the same way (default 100) "
+             "[conductor.tbt_slo_ms]."),
+    store_memory: Optional[str] = typer.Option(
+        None, "--store-memory",
+        help="DRAM of this node's KV store shard: a fraction of the machine's available "
+             "memory (0.25) or bytes (2GiB, 512M); refused when the machine cannot give it "
+             "[store.capacity_bytes, default 256 MiB for a node started on its own]."),
     overrides: list[str] = typer.Option(
         [], "--set", help="Override any config key: --set store.block_size=128 (repeatable)."),
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
@@ -72,12 +86,23 @@ def node(
     from mooncaked.node.runtime import run_node
     from roles import setup_role  # roles import heavy deps (torch) only when needed
 
+    capacity_bytes = None
+    if store_memory is not None:
+        from mooncaked.store_memory import (StoreMemoryError, available_bytes,
+                                            bytes_per_shard, parse_store_memory)
+        try:
+            capacity_bytes = bytes_per_shard(parse_store_memory(store_memory), 1,
+                                             available_bytes())
+        except StoreMemoryError as exc:
+            raise fail(str(exc)) from None
     try:
         cfg = load_config(config_file=config, overrides=overrides, flags={
             "node.role": role, "node.host": host, "node.port": port,
             "node.conductor_url": conductor, "etcd.endpoints": etcd, "node.node_id": node_id,
             "model.model": model,
-            "conductor.served_model_name": served_model_name})
+            "conductor.served_model_name": served_model_name,
+            "conductor.ttft_slo_s": ttft_slo_s, "conductor.tbt_slo_ms": tbt_slo_ms,
+            "store.capacity_bytes": capacity_bytes})
     except ConfigError as exc:
         raise fail(str(exc)) from None
     setup_logging(cfg.node.log_level, cfg.node.role)

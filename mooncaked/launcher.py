@@ -37,6 +37,8 @@ from mooncaked import process_setup
 from mooncaked.etcd_process import EtcdProcess
 from mooncaked.placement import (CONDUCTOR, DECODE, DEFAULT_PREFILL_NODES, PREFILL, NodePlacement,
                                  Placement, default_prefill_nodes, parse_cpus, place)
+from mooncaked.store_memory import (DEFAULT_STORE_MEMORY, StoreMemoryError, available_bytes,
+                                    bytes_per_shard, parse_store_memory)
 from mooncaked.supervisor import CrashLoop, RestartPolicy, RestartTracker
 
 
@@ -466,6 +468,44 @@ def _default_prefill(mode: str, decode: int, colocated: int,
     return n
 
 
+# The TTFT SLO of `up --demo` unless --ttft-slo-s is given.
+DEMO_TTFT_SLO_S = 30.0
+
+
+def _sets_store_capacity(config: Optional[str], overrides: list[str]) -> bool:
+    """Whether the user sized the shards themselves (--set or --config)."""
+    if any(o.split("=", 1)[0].strip() == "store.capacity_bytes" for o in overrides):
+        return True
+    if config:
+        import tomllib
+        try:
+            with open(config, "rb") as f:
+                return "capacity_bytes" in tomllib.load(f).get("store", {})
+        except (OSError, tomllib.TOMLDecodeError):
+            return False  # the nodes report the bad file
+    return False
+
+
+def _store_overrides(store_memory: Optional[str], cluster: "LocalCluster",
+                     config: Optional[str], overrides: list[str]) -> list[str]:
+    """``store.capacity_bytes`` for every node: --store-memory (or its
+    default share) split over the nodes that hold a shard; nothing when the
+    user set the capacity in --config or --set."""
+    if _sets_store_capacity(config, overrides):
+        if store_memory is not None:
+            typer.echo("--store-memory ignored: store.capacity_bytes is set in --config/--set",
+                       err=True)
+        return []
+    spec = parse_store_memory(store_memory if store_memory is not None else DEFAULT_STORE_MEMORY)
+    borrowers = len(cluster.placement.borrowers) if cluster.placement is not None else 0
+    shards = cluster.prefill + cluster.decode + cluster.cpp_group + borrowers
+    available = available_bytes()
+    per = bytes_per_shard(spec, shards, available)
+    typer.echo(f"store: {spec.describe()} ({available / (1 << 30):.1f} GiB available): "
+               f"{per / (1 << 30):.2f} GiB on each of {shards} nodes (--store-memory)", err=True)
+    return [f"store.capacity_bytes={per}"]
+
+
 def register(app: typer.Typer) -> None:
     @app.command("up")
     def up(
@@ -513,6 +553,24 @@ def register(app: typer.Typer) -> None:
                                          "--placement; with only this, decode gets the rest)."),
         cpus_decode: Optional[str] = typer.Option(
             None, "--cpus-decode", help="CPUs for the decode nodes and the conductor, e.g. 6,7."),
+        ttft_slo_s: Optional[float] = typer.Option(
+            None, "--ttft-slo-s", min=0.001,
+            help="Time-to-first-token SLO in seconds (default 1: an interactive service). The "
+                 "conductor predicts each request's TTFT and answers 429, naming the limit, "
+                 "when the prediction misses it, instead of queueing work that would be late "
+                 "[conductor.ttft_slo_s]."),
+        tbt_slo_ms: Optional[float] = typer.Option(
+            None, "--tbt-slo-ms", min=0.001,
+            help="Time-between-tokens SLO in ms (default 100), checked the same way against "
+                 "the predicted decode step of the node the request would join "
+                 "[conductor.tbt_slo_ms]."),
+        store_memory: Optional[str] = typer.Option(
+            None, "--store-memory",
+            help="DRAM the KV store shards of this machine take together, split evenly over "
+                 "the nodes started: a fraction of available memory or bytes (2GiB, 512M). "
+                 f"Default {DEFAULT_STORE_MEMORY}: prefixes are reused only while they stay "
+                 "cached. Refused when the machine cannot give it; store.capacity_bytes set "
+                 "in --config or --set wins."),
         borrow: bool = typer.Option(
             True, "--borrow/--no-borrow",
             help="With --placement auto (the default): one more prefill node on the decode CPUs "
@@ -535,6 +593,8 @@ def register(app: typer.Typer) -> None:
         try:
             prefill_cpus = parse_cpus(cpus_prefill) if cpus_prefill else None
             decode_cpus = parse_cpus(cpus_decode) if cpus_decode else None
+            if store_memory is not None:
+                parse_store_memory(store_memory)
         except ValueError as exc:
             typer.echo(f"mooncaked up: {exc}", err=True)
             raise typer.Exit(2) from None
@@ -568,6 +628,21 @@ def register(app: typer.Typer) -> None:
         if cluster.placement is not None:
             typer.echo(cluster.placement.describe({PREFILL: "colocated"} if colocated else None),
                        err=True)
+        if demo and ttft_slo_s is None:
+            # The demo's cold request prefills a long prompt on purpose; at
+            # the interactive default it would be refused, not measured.
+            ttft_slo_s = DEMO_TTFT_SLO_S
+            typer.echo(f"--demo: TTFT SLO {DEMO_TTFT_SLO_S:g} s, so that its cold long-prompt "
+                       "request is served and timed", err=True)
+        slo = [f"conductor.ttft_slo_s={ttft_slo_s}"] if ttft_slo_s is not None else []
+        slo += [f"conductor.tbt_slo_ms={tbt_slo_ms}"] if tbt_slo_ms is not None else []
+        try:
+            store = _store_overrides(store_memory, cluster, config, overrides)
+        except StoreMemoryError as exc:
+            typer.echo(f"mooncaked up: {exc}", err=True)
+            raise typer.Exit(2) from None
+        # Before the user's --set, which wins.
+        cluster.overrides = store + slo + cluster.overrides
         stop_requested = []
 
         def on_signal(signum, frame):  # noqa: ARG001

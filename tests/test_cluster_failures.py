@@ -21,8 +21,10 @@ MODEL = "dummy"
 
 @pytest.fixture
 def cluster(local_cluster):
+    # Long prefills on purpose (faults strike mid-prefill): a TTFT SLO they fit in.
     return local_cluster(prefill=2, decode=2, model=MODEL,
-                         extra=["store.capacity_bytes=134217728", "model.prefill_chunk=512"])
+                         extra=["store.capacity_bytes=134217728", "model.prefill_chunk=512",
+                                "conductor.ttft_slo_s=120"])
 
 
 def peers_alive(cluster) -> set[str]:
@@ -103,7 +105,7 @@ def test_reservations_outlive_a_long_prefill_queue_but_not_their_owner(local_clu
 
     c = local_cluster(prefill=1, decode=1, model=MODEL,
                       extra=["decode.reservation_timeout_s=1", "model.prefill_chunk=512",
-                             "store.capacity_bytes=134217728"])
+                             "store.capacity_bytes=134217728", "conductor.ttft_slo_s=120"])
     # Four 2k-token prompts queue at one prefill node for well over the
     # 1 s reservation timeout: the conductor keeps their reservations alive.
     prompts = [tokens(2048, seed=20 + i) for i in range(4)]

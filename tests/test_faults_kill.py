@@ -38,7 +38,9 @@ def supervised_cluster(tmp_path_factory):
     since a node started again lives only as long as the thread that started
     it (``PR_SET_PDEATHSIG`` fires when the parent *thread* exits)."""
     c = start_cluster(tmp_path_factory.mktemp("faults-kill"), prefill=2, decode=2, model=MODEL,
-                      extra=["store.capacity_bytes=67108864", "model.prefill_chunk=256"])
+                      # Long prefills on purpose (kills strike mid-prefill): a TTFT SLO they fit in.
+                      extra=["store.capacity_bytes=67108864", "model.prefill_chunk=256",
+                             "conductor.ttft_slo_s=120"])
     try:
         with supervised(c) as log:
             yield c, log

@@ -36,7 +36,9 @@ MODEL = "dummy"
 # Every node listens for KV transfers on this port (one NIC each; each node
 # has its own namespace), so the loss rule can single out the transfer path.
 TRANSFER_PORT = 9000
-OVERRIDES = ["store.capacity_bytes=134217728", "store.block_size=16", "model.prefill_chunk=256",
+# Long prefills on purpose (a fault must strike mid-prefill), so a TTFT SLO
+# they fit in: at the interactive default they would be refused up front.
+OVERRIDES = ["conductor.ttft_slo_s=120", "store.capacity_bytes=134217728", "store.block_size=16", "model.prefill_chunk=256",
              "node.heartbeat_interval_s=0.2", "node.heartbeat_timeout_s=1.5",
              "decode.reservation_timeout_s=5", "transfer.user_timeout_ms=1000",
              "transfer.stall_timeout_s=2", "transfer.connect_timeout_s=1",

@@ -252,7 +252,9 @@ def test_up_passes_served_model_name_to_the_conductor(tmp_path, monkeypatch):
     result = CliRunner().invoke(app, ["up", "--served-model-name", "my-llm", "--set",
                                       "store.block_size=32", "--log-dir", str(tmp_path)])
     assert result.exit_code == 1
-    assert seen["overrides"] == ["store.block_size=32", "conductor.served_model_name=my-llm"]
+    # After the store's size from --store-memory's default, which they may override.
+    assert seen["overrides"][1:] == ["store.block_size=32", "conductor.served_model_name=my-llm"]
+    assert seen["overrides"][0].startswith("store.capacity_bytes=")
 
 
 @pytest.mark.slow  # a real `mooncaked up`

@@ -37,6 +37,7 @@ class StoreConfig:
     ssd_tier: bool = False
     # Pool file of the SSD tier; "" = a file in the system temp directory.
     ssd_path: str = ""
+    # Size of the SSD tier's pool file.
     ssd_capacity_bytes: int = 1 * GIB
     # Block events not yet drained beyond this count are dropped and the next
     # batch asks the consumer to resync from a snapshot (bounds memory when

@@ -128,15 +128,20 @@ DUMMY_CONFIGS: dict[str, ModelConfig] = {
 
 @dataclass
 class RuntimeConfig:
-    """The ``[model]`` section of a node's config."""
+    """The model a node serves and how it runs it: the ``[model]`` section of a node's config."""
 
     # "dummy", another name in DUMMY_CONFIGS, or a local HF checkpoint directory.
     model: str = "dummy"
+    # Torch device: cpu, cuda[:N], mps or xpu.
     device: str = "cpu"
-    dtype: str = "float32"  # float32 on CPU; bfloat16/float16 where the device has them
-    prefill_chunk: int = 1024  # tokens per prefill chunk (the paper chunks above ~1000)
-    seed: int = 0  # dummy weights' seed: every node of a cluster must use the same
-    torch_threads: int = 0  # 0: leave torch's default
+    # Weight and KV dtype: float32 on CPU; bfloat16/float16 where the device has them.
+    dtype: str = "float32"
+    # Tokens per prefill chunk (the paper chunks above ~1000).
+    prefill_chunk: int = 1024
+    # Seed of the dummy weights: every node of a cluster must use the same.
+    seed: int = 0
+    # Torch intra-op threads of this process; 0 leaves torch's default.
+    torch_threads: int = 0
 
     def __post_init__(self) -> None:
         if not self.model:

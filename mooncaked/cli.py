@@ -114,11 +114,12 @@ def node(
 
 
 def _register_subcommands() -> None:
-    from mooncaked import launcher, tools
+    from mooncaked import configdoc, launcher, tools
     from mooncaked.simulate.command import register as register_simulate
     launcher.register(app)
     register_simulate(app)
     tools.register(app)
+    configdoc.register(app)
 
 
 def main() -> None:

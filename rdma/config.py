@@ -13,7 +13,10 @@ def _default_nics() -> list[str]:
 
 @dataclass
 class TransferConfig:
-    # "auto" = rdma when pyverbs finds a device, else tcp (one log line says so).
+    """The transfer engine that moves KV blocks between nodes (tcp or rdma)."""
+
+    # auto | tcp | rdma; "auto" = rdma when pyverbs finds a device, else tcp
+    # (one log line says so).
     transport: str = "auto"
     # Local "NICs" for tcp: IPv4/IPv6 addresses to listen on and to bind
     # outgoing connections to (one listener per address). With rdma the
@@ -35,12 +38,14 @@ class TransferConfig:
     # An endpoint with work queued and no completion for this long is
     # declared dead; its slices are retried elsewhere.
     stall_timeout_s: float = 5.0
+    # Give up connecting to a peer after this long.
     connect_timeout_s: float = 3.0
     # How many times one slice may be re-posted on another path.
     max_retries: int = 4
     # A failing path is avoided this long, then probed with one slice;
     # each further failure doubles the back-off up to nic_backoff_max_s.
     nic_backoff_s: float = 1.0
+    # Longest back-off of a failing path.
     nic_backoff_max_s: float = 30.0
     # Shared secret authenticating the handshake and every frame header
     # (HMAC-SHA256). Empty = no secret: listeners then accept loopback peers only.
@@ -55,12 +60,13 @@ class TransferConfig:
     # Optional topology override: {location: [[preferred nics], [secondary nics]]}.
     # Empty = discover (rdma: sysfs NUMA affinity; tcp: every nic preferred).
     topology: dict = field(default_factory=dict)
-    # rdma only: devices to use (empty = every device found), port, GID
-    # index (RoCEv2 usually needs the index of the IPv4-mapped GID) and how
-    # many empty CQ polls to spin through before sleeping on the channel.
+    # rdma only: devices to use (empty = every device found).
     rdma_devices: list[str] = field(default_factory=list)
+    # rdma only: the port of each device.
     rdma_port: int = 1
+    # rdma only: GID index (RoCEv2 usually needs the index of the IPv4-mapped GID).
     rdma_gid_index: int = 0
+    # rdma only: empty CQ polls to spin through before sleeping on the channel.
     busy_poll_budget: int = 16
     # Largest slice a listener accepts in one frame (guards against absurd lengths).
     max_frame_bytes: int = 256 << 20

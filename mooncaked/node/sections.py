@@ -17,10 +17,11 @@ ROLES = ("conductor", "prefill", "decode", "colocated")
 class NodeSection:
     """Process-level settings shared by every role."""
 
+    # What this node runs: conductor, prefill, decode or colocated.
     role: str = "conductor"
-    # Everything binds to loopback unless the operator says otherwise.
+    # Address to listen on; everything binds to loopback unless the operator says otherwise.
     host: str = "127.0.0.1"
-    # 0 picks a free port (the bound port is what gets registered).
+    # Port to listen on; 0 picks a free port (the bound port is what gets registered).
     port: int = 8000
     # Name under which this node registers; "" = "<role>-<host>:<port>".
     node_id: str = ""
@@ -30,6 +31,7 @@ class NodeSection:
     admin_token: str = ""
     # Shared secret for every /internal/ call; "" = only loopback peers are served.
     cluster_token: str = ""
+    # How often a worker sends the conductor a heartbeat with its load report.
     heartbeat_interval_s: float = 1.0
     # A node missing heartbeats for this long is marked dead by the conductor.
     heartbeat_timeout_s: float = 5.0
@@ -37,6 +39,7 @@ class NodeSection:
     conductor_connect_timeout_s: float = 15.0
     # Graceful shutdown: in-flight work gets this long before it is failed.
     shutdown_timeout_s: float = 10.0
+    # Log level: debug, info, warning or error.
     log_level: str = "info"
     # Drop every thread of this process to SCHED_IDLE (and its autogroup to
     # nice 19) once start-up is done: a node borrowing cores other nodes
@@ -69,14 +72,15 @@ BORROWED_PREFILL_USES = ("overflow", "always")
 class ConductorSection:
     """The global scheduler and the OpenAI-compatible front end."""
 
-    # random | round_robin | load_balance | local_cache_aware | mooncake
+    # Global scheduling policy: random | round_robin | load_balance | local_cache_aware | mooncake.
     policy: str = "mooncake"
-    # The service level a request is admitted against (429 when the
-    # prediction misses it).  The defaults are an interactive service's: a
+    # Time to first token, in seconds, that a request is admitted against (429
+    # when the prediction misses it).  The defaults are an interactive service's: a
     # first token within a second, tokens no further apart than a reader
     # notices.  The paper's 30 s is for 128k-token prompts on a 70B model;
     # against it nothing is ever refused, and a burst queues for seconds.
     ttft_slo_s: float = 1.0
+    # Time between tokens, in milliseconds, that a request is admitted against the same way.
     tbt_slo_ms: float = 100.0
     # Fetch a remote prefix only when best_len / local_len exceeds this ratio.
     kvcache_balancing_threshold: float = 1.5
@@ -84,6 +88,7 @@ class ConductorSection:
     max_prompt_tokens: int = 32768
     # Largest request body accepted, in bytes (413 above).
     max_request_bytes: int = 8 * 1024 * 1024
+    # Tokens generated for a request that sets no max_tokens (capped by the context left).
     max_tokens_default: int = 128
     # Name reported by /v1/models; "" = the model spec's name.
     served_model_name: str = ""
@@ -145,6 +150,8 @@ class ConductorSection:
 
 @dataclass
 class PrefillSection:
+    """Prefill nodes: prefix caching, batching of short prompts, Chunked Pipeline Parallelism."""
+
     # Reuse cached prefixes and keep new blocks (the store shard as a cache).
     # false = recompute every prompt in full: the "no prefix caching" baseline.
     prefix_cache: bool = True
@@ -167,7 +174,9 @@ class PrefillSection:
     # `cpp_stages`-node group `cpp_group` (contiguous layer ranges); "" = a
     # single prefill node holding every layer.
     cpp_group: str = ""
+    # This node's stage in its CPP group, from 0 (the first layers).
     cpp_stage: int = 0
+    # Number of stages (nodes) in the CPP group; 1 = no pipeline.
     cpp_stages: int = 1
     # Requests a stage can hold in flight (each takes two activation slots of
     # model.prefill_chunk x hidden floats).
@@ -195,6 +204,8 @@ class PrefillSection:
 
 @dataclass
 class DecodeSection:
+    """Decode nodes: continuous batching over the KV that prefill nodes send."""
+
     # Most sequences decoded together in one continuous-batching step.
     max_batch: int = 32
     # A reservation whose KV has not fully arrived after this long is freed
@@ -230,6 +241,7 @@ class EtcdSection:
     lease_ttl_s: int = 3
     # Keys live under <key_prefix>/<cluster>/ so that clusters can share an etcd.
     key_prefix: str = "/mooncaked"
+    # Name of this cluster, the key space under key_prefix.
     cluster: str = "default"
     # One etcd call gives up after this long and counts as etcd unreachable.
     request_timeout_s: float = 1.0

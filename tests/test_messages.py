@@ -163,7 +163,7 @@ REGISTRATION_WIRE = REGISTRATION.to_wire()
     (PrefillRequest, _with(PREFILL_WIRE, "cpp.stage_urls.0", 3), "prefill.cpp.stage_urls[0]",
      "non-empty string"),
     (PrefillRequest, _with(PREFILL_WIRE, "sampling.top_p", 2.0), "prefill.sampling", "top_p"),
-    (PrefillRequest, _with(PREFILL_WIRE, "sampling.min_p", 0.1), "prefill.sampling.min_p",
+    (PrefillRequest, _with(PREFILL_WIRE, "sampling.typical_p", 0.1), "prefill.sampling.typical_p",
      "unknown sampling parameter"),
     (PrefillRequest, _with(PREFILL_WIRE, "sampling.seed", "s"), "prefill.sampling.seed",
      "expected an integer"),

@@ -22,6 +22,7 @@ from mooncaked.node.errors import ApiError, error_middleware
 from model.config import DUMMY_CONFIGS, page_layout
 from model.runner import DecodeSeq, ModelRunner, kv_pages_view
 from model.sampling import is_stop_token, sample
+from model.structured import GrammarMatcher
 from model.tokenizer import ByteTokenizer
 from model.weights import dummy_weights
 from roles.conductor.openai_api import (OPENAI_BACKEND, ApiLimits, GenerationRequest,
@@ -98,6 +99,8 @@ class TinyBackend:
                              "cached_tokens": cached, "predicted_ttft_ms": 2.5,
                              "transfer": None, "policy": "test"})
             gen = req.sampling.make_generator()
+            grammar = None if req.sampling.grammar is None else \
+                GrammarMatcher(req.sampling.grammar, self.tokenizer)
             logits = self.runner.prefill(ids, table, 0)
             pos = len(ids)
             for i in range(req.max_tokens):
@@ -107,7 +110,10 @@ class TinyBackend:
                     tok, lp = self.script[i], -0.5
                     stop = i + 1 == len(self.script)
                 else:
-                    tok, lp = sample(logits, req.sampling, gen)
+                    tok, lp = sample(logits, req.sampling, gen, prompt_ids=ids, output_ids=out,
+                                     eos_ids=self.tokenizer.eos_token_ids, grammar=grammar)
+                    if grammar is not None:
+                        grammar.accept(tok)
                     stop = is_stop_token(tok, req.sampling, self.tokenizer.eos_token_ids)
                 finish = "stop" if stop else "length" if i + 1 == req.max_tokens else None
                 out.append(tok)
@@ -407,7 +413,45 @@ ERRORS = [
     ("/v1/completions", {"model": MODEL, "prompt": "a", "seed": "x"}, 400, "seed"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "stop": [1]}, 400, "stop"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "stream": "yes"}, 400, "stream"),
-    ("/v1/completions", {"model": MODEL, "prompt": "a", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "n": 9}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", "b", "c"], "n": 3}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "n": 2, "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "n": 2, "best_of": 1}, 400, "best_of"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "presence_penalty": 2.5}, 400,
+     "presence_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "frequency_penalty": -3}, 400,
+     "frequency_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "frequency_penalty": "x"}, 400,
+     "frequency_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "repetition_penalty": 0}, 400,
+     "repetition_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "min_p": 1.5}, 400, "min_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "min_tokens": -1}, 400, "min_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "min_tokens": 5, "max_tokens": 4}, 400,
+     "min_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "logit_bias": {"99999": 5}}, 400,
+     "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "logit_bias": {"x": 5}}, 400,
+     "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "logit_bias": {"5": "up"}}, 400,
+     "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "logit_bias": [5]}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "suffix": "tail"}, 400, "suffix"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "something_new": 1}, 400,
+     "something_new"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "xml"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_schema", "json_schema": {
+                                  "schema": {"type": "nonsense"}}}}, 400, "response_format"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_schema", "json_schema": {
+                                  "schema": [1]}}}, 400, "response_format.json_schema.schema"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "echo": True}, 400, "echo"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 50}, 400, "logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "stream_options": {}}, 400,
      "stream_options"),
@@ -451,11 +495,17 @@ async def test_bad_requests_get_openai_errors(api, path, body, status, param):
     assert ok["usage"]["completion_tokens"] == 2
 
 
-async def test_unknown_fields_are_ignored(api):
+async def test_harmless_and_neutral_fields_are_accepted(api):
     _, data = await post(api, "/v1/completions",
                          _base(prompt="abc", max_tokens=3, user="u1", presence_penalty=0,
-                               something_new={"x": 1}, n=1, top_k=-1, seed=7, stop=None))
+                               something_new=None, n=1, best_of=1, top_k=-1, seed=7, stop=None,
+                               suffix="", metadata={"a": "b"}, skip_special_tokens=True))
     assert data["usage"]["completion_tokens"] == 3
+    _, chat = await post(api, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+        "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "store": False,
+        "parallel_tool_calls": True, "user": "u1"})
+    assert chat["usage"]["completion_tokens"] == 3
 
 
 async def test_large_body_is_parsed_off_the_loop():
@@ -468,7 +518,7 @@ async def test_large_body_is_parsed_off_the_loop():
     async with TestClient(TestServer(app)) as client:
         _, small = await post(client, "/v1/completions", _base(prompt="abc", max_tokens=4))
         _, big = await post(client, "/v1/completions",
-                            _base(prompt="abc", max_tokens=4, padding="x" * 100_000))
+                            _base(prompt="abc", max_tokens=4, user="x" * 100_000))
         assert big["choices"][0]["text"] == small["choices"][0]["text"]
 
 
@@ -648,3 +698,197 @@ async def test_official_openai_client(api):
     assert result["models"] == [MODEL]
     assert result["not_found"] == (404, "NotFoundError", "model")
     assert result["bad_request"] == (400, "BadRequestError", "max_tokens")
+
+
+# ---- vLLM's sampling fields and n, through the official client -------------------
+
+def _sampling_session(base_url: str) -> dict:
+    """Each sampling field through the openai SDK (vLLM's fields via extra_body)."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=30)
+
+    def text(prompt: str = "Hello", max_tokens: int = 10, **kw) -> tuple[str, int, str]:
+        extra = kw.pop("extra_body", {})
+        comp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                         temperature=kw.pop("temperature", 0), **kw,
+                                         extra_body={"ignore_eos": True, **extra})
+        [choice] = comp.choices
+        return choice.text, comp.usage.completion_tokens, choice.finish_reason
+
+    out: dict = {"greedy": text()}
+    out["forced"] = text(logit_bias={"97": 100})
+    # +14 on "a" makes it the greedy pick most steps; each penalty then holds it back.
+    out["a_bias"] = text(logit_bias={"97": 14})
+    out["frequency"] = text(logit_bias={"97": 14}, frequency_penalty=2)
+    out["presence"] = text(logit_bias={"97": 12}, presence_penalty=2)
+    out["a_bias_12"] = text(logit_bias={"97": 12})
+    out["repetition"] = text(logit_bias={"97": 14}, extra_body={"repetition_penalty": 2})
+    out["min_p"] = text(temperature=1.5, seed=3, extra_body={"min_p": 1.0})
+    # EOS at +100: the first token without min_tokens, the sixth with min_tokens=5.
+    eos = {"257": 100}
+    out["eos"] = text(logit_bias=eos, extra_body={"ignore_eos": False})
+    out["min_tokens"] = text(logit_bias=eos, extra_body={"ignore_eos": False, "min_tokens": 5})
+    two = client.completions.create(model=MODEL, prompt="Hello there, a prompt", max_tokens=6,
+                                    temperature=0, n=2, extra_body={"ignore_eos": True})
+    out["n2"] = ([(c.index, c.text) for c in two.choices], two.usage.prompt_tokens,
+                 two.usage.completion_tokens)
+    stream = client.completions.create(model=MODEL, prompt="Hello there, a prompt",
+                                       max_tokens=6, temperature=0, n=2, stream=True,
+                                       stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    texts: dict[int, str] = {}
+    chunks = list(stream)
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    out["n2_stream"] = (texts, chunks[-1].usage.completion_tokens)
+    seeded = [client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, n=2,
+                                        temperature=1.0, seed=5,
+                                        extra_body={"ignore_eos": True}) for _ in range(2)]
+    out["n2_seeded"] = [[c.text for c in s.choices] for s in seeded]
+    out["n1_seeded"] = text(max_tokens=8, temperature=1.0, seed=5)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi there"}], max_tokens=6,
+        temperature=0, n=3, response_format={"type": "text"}, presence_penalty=0.5,
+        extra_body={"ignore_eos": True})
+    out["chat_n3"] = ([(c.index, c.message.content) for c in chat.choices],
+                      chat.usage.completion_tokens)
+    for name, kw in {
+            "json": dict(response_format={"type": "json_schema",
+                                          "json_schema": {"name": "x", "schema": {"type": 3}}}),
+            "penalty": dict(frequency_penalty=3),
+            "bias": dict(logit_bias={"100000": 1}),
+            "best_of": dict(n=1, extra_body={"best_of": 2})}.items():
+        try:
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, **kw)
+            out[f"bad_{name}"] = None
+        except openai.APIStatusError as exc:
+            out[f"bad_{name}"] = (exc.status_code, exc.body.get("param")
+                                  if isinstance(exc.body, dict) else None)
+    return out
+
+
+async def test_sampling_fields_through_the_official_client(api):
+    pytest.importorskip("openai", reason="the openai client is a test extra")
+    base_url = str(api.make_url("/v1"))
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(_sampling_session(base_url)))
+    thread.start()
+    while thread.is_alive():  # keep the event loop (and the server) running
+        await asyncio.sleep(0.01)
+    thread.join()
+    greedy = result["greedy"][0]
+    assert result["forced"] == ("a" * 10, 10, "length")
+    assert result["a_bias"][0].count("a") == 10
+    assert result["frequency"][0].count("a") < 10
+    assert result["a_bias_12"][0].count("a") > result["presence"][0].count("a")
+    assert result["repetition"][0].count("a") < 10
+    assert result["min_p"][0] == greedy  # min_p = 1 keeps only the top token
+    assert result["eos"] == ("", 1, "stop")
+    assert result["min_tokens"][1:] == (6, "stop")
+    choices, prompt_tokens, completion_tokens = result["n2"]
+    assert [i for i, _ in choices] == [0, 1] and choices[0][1] == choices[1][1]
+    assert prompt_tokens == len(ByteTokenizer().encode("Hello there, a prompt"))  # once
+    assert completion_tokens == 12
+    assert result["n2_stream"] == ({0: choices[0][1], 1: choices[1][1]}, 12)
+    first, again = result["n2_seeded"]
+    assert first == again and first[0] != first[1]  # seeds seed and seed + 1, as vLLM
+    assert first[0] == result["n1_seeded"][0]
+    chat_choices, chat_tokens = result["chat_n3"]
+    assert [i for i, _ in chat_choices] == [0, 1, 2] and chat_tokens == 18
+    assert len({t for _, t in chat_choices}) == 1
+    assert result["bad_json"] == (400, "response_format")
+    assert result["bad_penalty"] == (400, "frequency_penalty")
+    assert result["bad_bias"] == (400, "logit_bias")
+    assert result["bad_best_of"] == (400, "best_of")
+
+
+async def test_n_choices_start_once_the_first_has_its_prefill(api):
+    prompt = "a prompt longer than one block of sixteen tokens"
+    resp, data = await post(api, "/v1/completions", _base(prompt=prompt, max_tokens=4, n=3))
+    first, *others = api.backend.requests
+    assert [r.sample_index for r in api.backend.requests] == [0, 1, 2]
+    assert all(r.prompt_token_ids == first.prompt_token_ids for r in others)
+    # The toy prefix cache saw the first choice's prompt: the others hit it.
+    assert resp.headers["x-mooncaked-cached-tokens"] == "0,48,48"
+    assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the prompt's own
+    assert len({c["text"] for c in data["choices"]}) == 1
+    # Two prompts x n=2: choices are prompt-major, as vLLM numbers them.
+    _, batch = await post(api, "/v1/completions", _base(prompt=["ab", "cd"], max_tokens=3, n=2))
+    reqs = sorted(api.backend.requests[-4:], key=lambda r: r.index)
+    texts = [c["text"] for c in batch["choices"]]
+    assert [c["index"] for c in batch["choices"]] == [r.index for r in reqs] == [0, 1, 2, 3]
+    assert texts[0] == texts[1] and texts[2] == texts[3]
+    assert [r.prompt_token_ids[-1] for r in reqs] == [ord("b"), ord("b"), ord("d"), ord("d")]
+    assert [r.sample_index for r in reqs] == [0, 1, 0, 1]
+    assert len({r.request_id for r in reqs}) == 4
+    assert batch["usage"]["prompt_tokens"] == 6  # <bos>ab, <bos>cd: each once
+
+
+async def test_a_rejected_later_choice_closes_the_first(api):
+    api.backend.reject = lambda req: ApiError(429, "busy", headers={"Retry-After": "1"}) \
+        if req.sample_index == 1 else None
+    resp = await api.post("/v1/completions", json=_base(prompt="abc", n=2))
+    assert resp.status == 429
+    [first] = api.backend.requests
+    assert first.request_id in api.backend.closed | api.backend.finished
+
+
+YES_NO = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}},
+          "required": ["answer"], "additionalProperties": False}
+
+
+def _structured_session(base_url: str) -> dict:
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=30)
+    out: dict = {}
+    for name, fmt in (("schema", {"type": "json_schema",
+                                  "json_schema": {"name": "yes_no", "schema": YES_NO}}),
+                      ("object", {"type": "json_object"})):
+        chat = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Answer in JSON"}],
+            max_tokens=40, temperature=0, response_format=fmt, n=2)
+        out[name] = [(c.message.content, c.finish_reason) for c in chat.choices]
+    comp = client.completions.create(
+        model=MODEL, prompt="JSON:", max_tokens=40, temperature=1.0, seed=1,
+        extra_body={"response_format": {"type": "json_schema",
+                                        "json_schema": {"name": "yes_no", "schema": YES_NO}}})
+    out["sampled"] = (comp.choices[0].text, comp.choices[0].finish_reason)
+    return out
+
+
+async def test_response_format_json_constrains_the_output(api):
+    pytest.importorskip("llguidance", reason="structured output needs llguidance")
+    pytest.importorskip("openai", reason="the openai client is a test extra")
+    base_url = str(api.make_url("/v1"))
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(_structured_session(base_url)))
+    thread.start()
+    while thread.is_alive():  # keep the event loop (and the server) running
+        await asyncio.sleep(0.01)
+    thread.join()
+    # The schema leaves one choice of two words: the text is that JSON, then EOS.
+    for text, finish in result["schema"] + [result["sampled"]]:
+        assert finish == "stop" and json.loads(text) in ({"answer": "yes"}, {"answer": "no"})
+    # Any object: valid JSON when it ended, else a prefix of an object.
+    for text, finish in result["object"]:
+        assert text.startswith("{")
+        if finish == "stop":
+            assert isinstance(json.loads(text), dict)
+
+
+async def test_json_response_format_without_llguidance_is_refused(api, monkeypatch):
+    from model.structured import GrammarUnavailable
+    from roles.conductor import openai_parse
+
+    def missing(schema):
+        raise GrammarUnavailable("structured output needs the llguidance package")
+    monkeypatch.setattr(openai_parse, "grammar_from_schema", missing)
+    _, err = await post(api, "/v1/completions",
+                        _base(prompt="a", response_format={"type": "json_object"}), 400)
+    assert_error(err, "invalid_request_error", "response_format")
+    assert err["error"]["code"] == "unsupported_value" and "llguidance" in err["error"]["message"]
+    assert not api.backend.requests

@@ -210,15 +210,31 @@ def message(cls: type[Message]) -> Check:
 
 # SamplingParams crosses the wire as its fields; the ranges are its own
 # __post_init__'s.  An unknown key is refused: dropping a sampling option
-# would silently change the output.
+# would silently change the output.  logit_bias goes as a JSON object, so
+# its token ids are string keys there.
+def _logit_bias(v: Any, where: str) -> dict[int, float]:
+    out = {}
+    for key, x in json_object(v, where).items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise MessageError(f"{where}.{key}", "expected a token id key")
+        out[int(key)] = number(x, f"{where}.{key}")
+    return out
+
+
 _SAMPLING = {"temperature": number, "top_p": number, "top_k": integer(),
              "seed": optional(integer(None)), "max_tokens": integer(1),
              "stop_token_ids": integers(), "stop": list_of(string),
-             "ignore_eos": boolean, "logprobs": boolean}
+             "ignore_eos": boolean, "logprobs": boolean,
+             "presence_penalty": number, "frequency_penalty": number,
+             "repetition_penalty": number, "min_tokens": integer(), "min_p": number,
+             "logit_bias": _logit_bias, "eos_token_ids": integers(),
+             "grammar": optional(string)}
 
 
 def sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
-    return dataclasses.asdict(params)
+    out = dataclasses.asdict(params)
+    out["logit_bias"] = {str(k): v for k, v in params.logit_bias.items()}
+    return out
 
 
 def sampling(v: Any, where: str) -> SamplingParams:
@@ -384,6 +400,9 @@ class DecodeStart(Message):
     prompt_len: int = wire(integer())
     first_token: int = wire(integer())
     sampling: SamplingParams = wire(sampling, factory=SamplingParams)
+    # The prompt's token ids, sent only when sampling reads them
+    # (``SamplingParams.needs_prompt``: the repetition penalty).
+    prompt_token_ids: list[int] | None = wire(optional(integers()), None, omit_none=True)
 
 
 @dataclass(frozen=True)

@@ -421,7 +421,7 @@ class Dispatcher:
                 # DecodeStart goes out before the first token is handed to the
                 # client, not after its write: the decode node can take the
                 # request into its next step while the conductor writes.
-                decode_stream = self._decode_stream(decode.url, request_id, len(token_ids),
+                decode_stream = self._decode_stream(decode.url, request_id, token_ids,
                                                     first, sampling, trace, t0)
                 next_line = asyncio.ensure_future(anext(decode_stream))
             yield Token(first, result.logprob, trace.cached_tokens, finish)
@@ -528,10 +528,11 @@ class Dispatcher:
             sched.on_transfer_finished(source.node_id, nbytes, trace.prefix_load_s)
             self.metrics.transfer_bytes(nbytes)
 
-    async def _decode_stream(self, url: str, request_id: str, prompt_len: int, first: int,
+    async def _decode_stream(self, url: str, request_id: str, token_ids: list[int], first: int,
                              sampling: SamplingParams, trace: RequestTrace,
                              t0: float) -> AsyncIterator[Token]:
-        start = DecodeStart(request_id, prompt_len, first, sampling)
+        start = DecodeStart(request_id, len(token_ids), first, sampling,
+                            token_ids if sampling.needs_prompt else None)
         t_decode = time.perf_counter()
         try:
             # aclosing: leaving the loop early closes the stream (and its connection) at once.

@@ -113,6 +113,17 @@ class ChoiceRun(ChoiceOutput):
             self._pending = first
         return self.trace
 
+    async def first_token(self) -> None:
+        """Wait for the backend's first token (kept for ``next_piece``): the
+        prompt's prefill is done when it comes."""
+        while self._pending is None and not self._closed:
+            try:
+                event = await self._gen.__anext__()
+            except StopAsyncIteration:
+                return  # next_piece sees the end
+            if isinstance(event, Token):
+                self._pending = event
+
     async def next_piece(self) -> Piece | None:
         """The next piece of output, or None once the choice is finished."""
         echo = self.echo_piece()
@@ -185,7 +196,7 @@ class _Routes:
         created = int(time.time())
         if kind == "chat":
             def parse() -> list[GenerationRequest]:
-                return [parse_chat(body, backend, self.limits, http_id, created, arrival)]
+                return parse_chat(body, backend, self.limits, http_id, created, arrival)
         else:
             def parse() -> list[GenerationRequest]:
                 return parse_completion(body, backend, self.limits, http_id, created, arrival)
@@ -201,12 +212,24 @@ class _Routes:
     async def _admit(self, backend: GenerationBackend,
                      reqs: list[GenerationRequest]) -> list[ChoiceRun]:
         """Start every generation and wait for its Scheduled event. All or
-        nothing: if one is rejected, the others are closed (cancelled)."""
+        nothing: if one is rejected, the others are closed (cancelled).
+
+        The first choice of each prompt goes first; the other ``n - 1`` start
+        once it has its first token: the prompt's prefill is done then and
+        its blocks are in the prefix cache, so theirs reuse that KV."""
         runs: list[ChoiceRun] = []
         try:
             for req in reqs:
                 runs.append(ChoiceRun(req, backend.generate(req), backend.tokenizer))
-            results = await asyncio.gather(*(r.start() for r in runs), return_exceptions=True)
+            firsts = [r for r in runs if r.req.sample_index == 0]
+            others = [r for r in runs if r.req.sample_index != 0]
+            results = await asyncio.gather(*(r.start() for r in firsts), return_exceptions=True)
+            if others and not any(isinstance(e, BaseException) for e in results):
+                results = await asyncio.gather(*(r.first_token() for r in firsts),
+                                               return_exceptions=True)
+                if not any(isinstance(e, BaseException) for e in results):
+                    results = await asyncio.gather(*(r.start() for r in others),
+                                                   return_exceptions=True)
         except BaseException:
             await _close_all(runs)
             raise

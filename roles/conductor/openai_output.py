@@ -150,11 +150,15 @@ class ChoiceOutput:
 # ---- JSON shapes -------------------------------------------------------------
 
 def usage(runs: Sequence[ChoiceOutput]) -> dict[str, Any]:
-    prompt = sum(len(r.req.prompt_token_ids) for r in runs)
+    """Each prompt counts once however many choices it has (as OpenAI and
+    vLLM count ``n``), with the cache hit of its first choice; every choice's
+    completion tokens count."""
+    firsts = [r for r in runs if r.req.sample_index == 0]
+    prompt = sum(len(r.req.prompt_token_ids) for r in firsts)
     completion = sum(r.completion_tokens for r in runs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in runs)}}
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)}}
 
 
 def _token_bytes(token: str) -> list[int]:

@@ -2,23 +2,58 @@
 parameter that is wrong.
 
 Types are checked strictly (JSON ``true`` is not an integer, ``"1"`` is not a
-number); ``null`` means "not given", as in the OpenAI API; fields we do not
-know are ignored, as OpenAI does.
+number); ``null`` means "not given", as in the OpenAI API.  A field we do not
+serve is refused with a 400 naming it, as OpenAI refuses an unrecognized
+argument, rather than silently changing what the client asked for; fields
+that change nothing here (``user``, ``metadata``, ...) and neutral values of
+the ones we lack (``tools: []``, ``suffix: ""``) are accepted
+(``check_fields``).  ``response_format`` json_object / json_schema
+becomes an llguidance grammar the nodes sample under (model/structured.py).
+
+``n`` choices of one prompt are ``n`` GenerationRequests that share the
+prompt (``sample_index`` 0..n-1); the front end starts the others once the
+first one's prefill is done, so they reuse its KV from the prefix cache.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from mooncaked.node.errors import ApiError
 from model.sampling import SamplingParams
+from model.structured import GrammarUnavailable, grammar_error, grammar_from_schema
 from roles.conductor.openai_types import ApiLimits, GenerationBackend, GenerationRequest
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # torch.Generator.manual_seed accepts this range.
 _SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1
+
+# Fields each endpoint serves (besides those of ``_NEUTRAL`` and ``_IGNORED``).
+_COMMON = {"model", "stream", "stream_options", "n", "best_of", "max_tokens", "temperature",
+           "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "presence_penalty",
+           "frequency_penalty", "repetition_penalty", "min_tokens", "min_p", "logit_bias",
+           "logprobs", "response_format"}
+_SERVED = {"completion": _COMMON | {"prompt", "echo"},
+           "chat": _COMMON | {"messages", "top_logprobs", "max_completion_tokens"}}
+# Accepted and ignored: they change nothing in what is generated.
+_IGNORED = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+            "parallel_tool_calls"}
+# Fields we do not serve, accepted with the value that asks for nothing.
+_NEUTRAL: dict[str, Callable[[Any], bool]] = {
+    "suffix": lambda v: v == "",
+    "tools": lambda v: v == [],
+    "functions": lambda v: v == [],
+    "tool_choice": lambda v: v == "none",
+    "modalities": lambda v: v == ["text"],
+    "echo": lambda v: v is False,  # vLLM's chat extension
+    "skip_special_tokens": lambda v: v is True,  # vLLM extensions, at what we do
+    "spaces_between_special_tokens": lambda v: v is True,
+    "include_stop_str_in_output": lambda v: v is False,
+    "add_generation_prompt": lambda v: v is True,
+}
 
 
 def _type_error(name: str, what: str, value: Any) -> ApiError:
@@ -91,6 +126,95 @@ def check_token_ids(ids: Sequence[Any], vocab_size: int, name: str) -> list[int]
     return list(ids)
 
 
+def check_fields(body: dict, kind: str) -> None:
+    """400 naming the first field this endpoint does not serve (null: not given)."""
+    served = _SERVED[kind]
+    for name, value in body.items():
+        if value is None or name in served or name in _IGNORED:
+            continue
+        neutral = _NEUTRAL.get(name)
+        if neutral is not None and neutral(value):
+            continue
+        what = "is not supported by this server" if neutral is None else \
+            f"is not supported by this server (got {_short(value)})"
+        raise ApiError(400, f"'{_short(name)[1:-1]}' {what}", param=name,
+                       code="unsupported_parameter")
+
+
+def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
+    """{token id: bias}: OpenAI's string keys; values clamped to [-100, 100] (vLLM too)."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _type_error("logit_bias", "an object of token id -> bias", value)
+    out = {}
+    for key, bias in value.items():
+        digits = key.removeprefix("-")
+        if not (digits.isascii() and digits.isdigit()) or len(digits) > 20:
+            raise ApiError(400, f"'logit_bias' keys must be token ids, got {_short(key)}",
+                           param="logit_bias", code="invalid_value")
+        token = int(key)
+        if not 0 <= token < vocab_size:
+            raise ApiError(400, f"token id {token} in 'logit_bias' is out of the vocabulary "
+                                f"[0, {vocab_size})", param="logit_bias", code="invalid_value")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                or not math.isfinite(bias):
+            raise _type_error("logit_bias", "an object of token id -> finite number", bias)
+        out[token] = min(100.0, max(-100.0, float(bias)))
+    return out
+
+
+def _grammar(body: dict, backend: GenerationBackend) -> str | None:
+    """``response_format``: text (None), or the llguidance grammar of
+    json_object (any JSON object) / json_schema (``json_schema.schema``)."""
+    value = body.get("response_format")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _type_error("response_format", "an object with a 'type'", value)
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema: Any = {"type": "object"}
+    elif kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise _type_error("response_format.json_schema.schema", "a JSON schema object",
+                              schema)
+    else:
+        raise ApiError(400, f"'response_format.type' must be text, json_object or json_schema, "
+                            f"got {_short(kind)}", param="response_format", code="invalid_value")
+    try:
+        grammar = grammar_from_schema(schema)
+        error = grammar_error(grammar, backend.tokenizer)
+    except GrammarUnavailable as exc:
+        raise ApiError(400, f"'response_format' {kind}: {exc}", param="response_format",
+                       code="unsupported_value") from None
+    except Exception as exc:  # noqa: BLE001 - the schema compiler's verdict on client input
+        error = str(exc) or type(exc).__name__
+    if error:
+        raise ApiError(400, f"'response_format': the schema cannot be served: {error[:300]}",
+                       param="response_format", code="invalid_value")
+    return grammar
+
+
+def _choices(body: dict, limits: ApiLimits) -> int:
+    """``n``; ``best_of`` may only repeat it (no ranking of extra samples)."""
+    n = get_int(body, "n", lo=1, hi=limits.max_batch_prompts) or 1
+    best_of = get_int(body, "best_of", lo=1)
+    if best_of is not None and best_of < n:
+        raise ApiError(400, f"'best_of' must be >= 'n' ({n}), got {best_of}", param="best_of",
+                       code="invalid_value")
+    if best_of is not None and best_of > n:
+        raise ApiError(400, f"'best_of' > 'n' is not supported (no ranking of extra "
+                            f"samples); got best_of={best_of}, n={n}", param="best_of",
+                       code="unsupported_value")
+    return n
+
+
 @dataclass
 class _Options:
     """Fields shared by every prompt of a request."""
@@ -103,6 +227,7 @@ class _Options:
     include_usage: bool
     logprobs: int | None
     echo: bool
+    n: int = 1  # choices per prompt
 
 
 def _stop_strings(body: dict) -> list[str]:
@@ -118,12 +243,8 @@ def _stop_strings(body: dict) -> list[str]:
 
 def _options(body: dict, backend: GenerationBackend, limits: ApiLimits, chat: bool) -> _Options:
     model = check_model(body, backend)
-    for name in ("n", "best_of"):
-        n = get_int(body, name, lo=1)
-        if n is not None and n != 1:
-            raise ApiError(400, f"'{name}' > 1 is not supported (only one choice per prompt; "
-                                f"send a list of prompts or several requests)", param=name,
-                           code="unsupported_value")
+    check_fields(body, "chat" if chat else "completion")
+    n = _choices(body, limits)
     max_tokens = get_int(body, "max_tokens", lo=1)
     if chat and body.get("max_completion_tokens") is not None:
         max_tokens = get_int(body, "max_completion_tokens", lo=1)
@@ -157,6 +278,9 @@ def _options(body: dict, backend: GenerationBackend, limits: ApiLimits, chat: bo
     temperature = get_float(body, "temperature", 0.0, 2.0)
     top_p = get_float(body, "top_p", 0.0, 1.0, lo_open=True)
     stop = _stop_strings(body)
+    repetition = get_float(body, "repetition_penalty", 0.0, math.inf, lo_open=True)
+    min_tokens = get_int(body, "min_tokens", lo=0) or 0
+    ignore_eos = bool(get_bool(body, "ignore_eos"))  # vLLM extension
     sampling = {
         "temperature": 1.0 if temperature is None else temperature,
         "top_p": 1.0 if top_p is None else top_p,
@@ -164,10 +288,21 @@ def _options(body: dict, backend: GenerationBackend, limits: ApiLimits, chat: bo
         "seed": get_int(body, "seed", lo=_SEED_MIN, hi=_SEED_MAX),
         "stop": stop,
         "stop_token_ids": stop_ids or [],
-        "ignore_eos": bool(get_bool(body, "ignore_eos")),  # vLLM extension
+        "ignore_eos": ignore_eos,
         "logprobs": logprobs is not None,
+        # vLLM's definitions and order: model/sampling.py.
+        "presence_penalty": get_float(body, "presence_penalty", -2.0, 2.0) or 0.0,
+        "frequency_penalty": get_float(body, "frequency_penalty", -2.0, 2.0) or 0.0,
+        "repetition_penalty": 1.0 if repetition is None else repetition,
+        "min_tokens": min_tokens,
+        "min_p": get_float(body, "min_p", 0.0, 1.0) or 0.0,
+        "logit_bias": _logit_bias(body, backend.tokenizer.vocab_size),
+        # Where the first token is sampled (the prefill node) there is no tokenizer.
+        "eos_token_ids": list(backend.tokenizer.eos_token_ids)
+        if min_tokens and not ignore_eos else [],
+        "grammar": _grammar(body, backend),
     }
-    return _Options(model, max_tokens, sampling, stop, stream, include_usage, logprobs, echo)
+    return _Options(model, max_tokens, sampling, stop, stream, include_usage, logprobs, echo, n)
 
 
 def _prompts(body: dict, backend: GenerationBackend, limits: ApiLimits
@@ -230,20 +365,39 @@ def _max_tokens(n_prompt: int, opts: _Options, backend: GenerationBackend,
     return asked if asked is not None else min(limits.max_tokens_default, room)
 
 
-def _request(ids: list[int], text: str | None, opts: _Options, backend: GenerationBackend,
-             limits: ApiLimits, kind: str, request_id: str, index: int, created: int,
-             arrival_s: float) -> GenerationRequest:
+def _child_seed(seed: int | None, j: int) -> int | None:
+    """Choice j's seed: vLLM's (seed + j), so the n choices differ but repeat."""
+    if seed is None:
+        return None
+    seed += j
+    return seed - (1 << 64) if seed > _SEED_MAX else seed
+
+
+def _requests(ids: list[int], text: str | None, opts: _Options, backend: GenerationBackend,
+              limits: ApiLimits, kind: str, request_id: str, prompt_index: int, created: int,
+              arrival_s: float) -> list[GenerationRequest]:
+    """The ``n`` generations of one prompt: choices prompt_index * n + j."""
     param = "messages" if kind == "chat" else "prompt"
     max_tokens = _max_tokens(len(ids), opts, backend, limits, param)
-    try:
-        sampling = SamplingParams(max_tokens=max_tokens, **opts.sampling)
-    except ValueError as exc:  # the checks above should have caught it
-        raise ApiError(400, str(exc), code="invalid_value") from None
-    return GenerationRequest(
-        request_id=f"{request_id}-{index}", kind=kind, model=opts.model,  # type: ignore[arg-type]
-        prompt_token_ids=ids, sampling=sampling, max_tokens=max_tokens, stream=opts.stream,
-        include_usage=opts.include_usage, stop=opts.stop, logprobs=opts.logprobs,
-        echo=opts.echo, created=created, index=index, arrival_s=arrival_s, prompt_text=text)
+    if opts.sampling["min_tokens"] > max_tokens:
+        raise ApiError(400, f"'min_tokens' must be <= max_tokens ({max_tokens}), got "
+                            f"{opts.sampling['min_tokens']}", param="min_tokens",
+                       code="invalid_value")
+    out = []
+    for j in range(opts.n):
+        try:
+            sampling = SamplingParams(max_tokens=max_tokens, **{
+                **opts.sampling, "seed": _child_seed(opts.sampling["seed"], j)})
+        except ValueError as exc:  # the checks above should have caught it
+            raise ApiError(400, str(exc), code="invalid_value") from None
+        index = prompt_index * opts.n + j
+        out.append(GenerationRequest(
+            request_id=f"{request_id}-{index}", kind=kind,  # type: ignore[arg-type]
+            model=opts.model, prompt_token_ids=ids, sampling=sampling, max_tokens=max_tokens,
+            stream=opts.stream, include_usage=opts.include_usage, stop=opts.stop,
+            logprobs=opts.logprobs, echo=opts.echo, created=created, index=index,
+            arrival_s=arrival_s, prompt_text=text, sample_index=j))
+    return out
 
 
 def _object(body: Any) -> dict:
@@ -258,9 +412,14 @@ def parse_completion(body: Any, backend: GenerationBackend, limits: ApiLimits, r
     """One GenerationRequest per prompt of a /v1/completions body."""
     body = _object(body)
     opts = _options(body, backend, limits, chat=False)
-    return [_request(ids, text, opts, backend, limits, "completion", request_id, i, created,
-                     arrival_s)
-            for i, (ids, text) in enumerate(_prompts(body, backend, limits))]
+    prompts = _prompts(body, backend, limits)
+    if len(prompts) * opts.n > limits.max_batch_prompts:
+        raise ApiError(400, f"{len(prompts)} prompts x n={opts.n} choices in one request; the "
+                            f"limit is {limits.max_batch_prompts}", param="n",
+                       code="too_many_prompts")
+    return [req for i, (ids, text) in enumerate(prompts)
+            for req in _requests(ids, text, opts, backend, limits, "completion", request_id, i,
+                                 created, arrival_s)]
 
 
 def parse_messages(value: Any) -> list[dict]:
@@ -315,12 +474,13 @@ def chat_prompt_ids(messages: list[dict], backend: GenerationBackend) -> list[in
 
 
 def parse_chat(body: Any, backend: GenerationBackend, limits: ApiLimits, request_id: str,
-               created: int, arrival_s: float) -> GenerationRequest:
+               created: int, arrival_s: float) -> list[GenerationRequest]:
+    """The ``n`` generations (choices) of a /v1/chat/completions body."""
     body = _object(body)
     opts = _options(body, backend, limits, chat=True)
     messages = parse_messages(body.get("messages"))
     ids = chat_prompt_ids(messages, backend)
-    return _request(ids, None, opts, backend, limits, "chat", request_id, 0, created, arrival_s)
+    return _requests(ids, None, opts, backend, limits, "chat", request_id, 0, created, arrival_s)
 
 
 def parse_tokenize(body: Any, backend: GenerationBackend) -> list[int]:

@@ -58,7 +58,8 @@ class ApiLimits:
 
 @dataclass
 class GenerationRequest:
-    """One generation: one prompt, one choice of the HTTP response."""
+    """One generation: one prompt, one choice of the HTTP response (a prompt
+    with ``n`` choices is ``n`` of them)."""
 
     request_id: str  # unique per generation: "<http id>-<index>"
     kind: Literal["completion", "chat"]
@@ -77,6 +78,10 @@ class GenerationRequest:
     # The prompt as text, when the client sent text (echo; the chat template's output
     # is not kept). Token-id prompts are decoded only if echo needs it.
     prompt_text: str | None = None
+    # Which of the ``n`` choices of its prompt this is: 0 is prefilled first,
+    # the others start once it has its first token (and reuse the prompt's
+    # KV through the prefix cache); usage counts the prompt once, from 0.
+    sample_index: int = 0
 
 
 @dataclass

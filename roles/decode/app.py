@@ -3,7 +3,8 @@
 POST /internal/decode/reserve   ReservationRequest {request_id, total_tokens}
                                 -> ReservationGrant {pages, segment, region, capability}
                                    (503 when out of pages)
-POST /internal/decode/generate  DecodeStart {request_id, prompt_len, first_token, sampling}
+POST /internal/decode/generate  DecodeStart {request_id, prompt_len, first_token, sampling,
+                                             prompt_token_ids?}
                                 -> NDJSON stream: a TokenLine {"token", "logprob",
                                    "finish_reason"} per line, or a last StreamError {"error"}
 POST /internal/decode/touch     RequestRef: keep a reservation alive while its prefill runs
@@ -62,7 +63,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise bad_message(exc) from None
     try:
         start = DecodeStart.from_wire(body)
-        queue = batcher.start(request_id, start.prompt_len, start.first_token, start.sampling)
+        queue = batcher.start(request_id, start.prompt_len, start.first_token, start.sampling,
+                              start.prompt_token_ids)
     except KeyError as exc:
         raise ApiError(404, str(exc).strip("'\"")) from None
     except ValueError as exc:  # malformed, or more than the reservation holds: give it up

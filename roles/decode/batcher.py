@@ -48,6 +48,7 @@ import torch
 from model.decode_kv import SeqKV
 from model.runner import DecodeSeq
 from model.sampling import SamplingParams, sample
+from model.structured import GrammarMatcher
 from mooncaked.node.messages import DecodeSeqLoad, DecodeStepSample
 from mooncaked.node.tasks import cancel_and_wait
 from rdma.guard import PageGrants
@@ -70,6 +71,8 @@ class Sequence:
     sampling: SamplingParams | None = None
     generator: torch.Generator | None = None
     stop_ids: frozenset[int] = frozenset()
+    prompt_ids: list[int] = field(default_factory=list)  # only when sampling reads them
+    grammar: GrammarMatcher | None = None  # structured output: fed every token, the first too
     tokens: list[int] = field(default_factory=list)   # generated so far (incl. the first)
     out: asyncio.Queue | None = None
     finished: str | None = None
@@ -169,7 +172,8 @@ class DecodeBatcher:
 
     # -- generation ---------------------------------------------------------
     def start(self, request_id: str, prompt_len: int, first_token: int,
-              sampling: SamplingParams) -> asyncio.Queue:
+              sampling: SamplingParams, prompt_ids: list[int] | None = None) -> asyncio.Queue:
+        """``prompt_ids``: the prompt, needed when ``sampling.needs_prompt``."""
         seq = self.seqs.get(request_id)
         if seq is None:
             raise KeyError(f"no reservation for request {request_id} (expired or cancelled)")
@@ -177,6 +181,14 @@ class DecodeBatcher:
             raise ValueError(f"request {request_id} already started")
         if (prompt_len + sampling.max_tokens) > len(seq.pages) * self.bs:
             raise ValueError("reservation too small for prompt_len + max_tokens")
+        if sampling.needs_prompt and (prompt_ids is None or len(prompt_ids) != prompt_len):
+            raise ValueError("repetition_penalty needs the prompt's token ids (prompt_token_ids)")
+        grammar = None if sampling.grammar is None else \
+            GrammarMatcher.for_model(sampling.grammar, self.worker.config.model.model)
+        if grammar is not None and not grammar.accept(first_token):
+            raise ValueError(f"the first token {first_token} breaks the request's grammar")
+        seq.grammar = grammar
+        seq.prompt_ids = list(prompt_ids or ())
         seq.started = True
         seq.prompt_len = prompt_len
         seq.sampling = sampling
@@ -247,7 +259,14 @@ class DecodeBatcher:
             for seq, row in zip(batch, logits):
                 if seq.finished is not None or seq.request_id not in self.seqs:
                     continue  # cancelled during the step
-                token, logprob = sample(row, seq.sampling, seq.generator)
+                token, logprob = sample(row, seq.sampling, seq.generator,
+                                        prompt_ids=seq.prompt_ids, output_ids=seq.tokens,
+                                        eos_ids=self.eos_ids, grammar=seq.grammar)
+                if seq.grammar is not None and not seq.grammar.accept(token):
+                    # Only when every token was masked (min_tokens holding back
+                    # the EOS the grammar wants): this token ends the sequence.
+                    log.warning("%s: no token satisfies its grammar; stopping", seq.request_id)
+                    seq.finished = "stop"
                 self._emit(seq, token, logprob)
             for seq in batch:
                 if seq.finished is not None and seq in self.running:

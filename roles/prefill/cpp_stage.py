@@ -26,6 +26,7 @@ import torch
 
 from model.runner import chunk_bounds
 from model.sampling import sample
+from model.structured import GrammarMatcher
 from mooncaked.node.errors import ApiError
 from mooncaked.node.internal_client import InternalCallError
 from mooncaked.node.messages import CppChunk, CppHop, CppStageReport, PrefillRequest, Route
@@ -159,7 +160,10 @@ class StageRun:
         stage_s = time.perf_counter() - t0
         token = logprob = None
         if self.is_last:
-            token, logprob = sample(last_out, spec.sampling, spec.sampling.make_generator())
+            grammar = None if spec.sampling.grammar is None else \
+                GrammarMatcher.for_model(spec.sampling.grammar, worker.config.model.model)
+            token, logprob = sample(last_out, spec.sampling, spec.sampling.make_generator(),
+                                    prompt_ids=spec.token_ids, grammar=grammar)
         report = CppStageReport(stage_compute_s=compute_s, stage_s=stage_s,
                                 boundary_bytes=self.boundary_bytes,
                                 layers=[worker.first_layer, worker.end_layer],

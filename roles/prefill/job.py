@@ -23,6 +23,7 @@ from typing import Any
 from kvstore.shard import StoreFullError, StoreShard
 from model.runner import chunk_bounds
 from model.sampling import sample
+from model.structured import GrammarMatcher
 from mooncaked.node.internal_client import UNBOUNDED, InternalCallError
 from mooncaked.node.messages import (FetchPlan, LeaseGrant, LeaseRelease, LeaseRequest,
                                      PrefillReply, PrefillRequest, ReservationGrant, Route,
@@ -247,8 +248,13 @@ class PrefillJob:
             raise PrefillCancelled()
         result.timings["compute_s"] = compute_s
         result.computed_tokens = len(spec.token_ids) - self.cached
+        # The first output token: no output before it to penalize; min_tokens
+        # reads the EOS ids the front end put in the params.
+        grammar = None if spec.sampling.grammar is None else \
+            GrammarMatcher.for_model(spec.sampling.grammar, self.worker.config.model.model)
         result.first_token, result.logprob = sample(logits, spec.sampling,
-                                                    spec.sampling.make_generator())
+                                                    spec.sampling.make_generator(),
+                                                    prompt_ids=spec.token_ids, grammar=grammar)
         if self.prefix_cache:
             stored = self.publish_new_blocks(self.table, self.usable)
             if stored:

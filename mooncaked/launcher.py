@@ -33,6 +33,7 @@ from typing import Callable, Optional
 
 import typer
 
+from mooncaked import layout as lay
 from mooncaked import process_setup
 from mooncaked.etcd_process import EtcdProcess
 from mooncaked.placement import (CONDUCTOR, DECODE, DEFAULT_PREFILL_NODES, PREFILL, NodePlacement,
@@ -472,6 +473,83 @@ def _default_prefill(mode: str, decode: int, colocated: int,
 DEMO_TTFT_SLO_S = 30.0
 
 
+LAYOUTS = ("auto", "disaggregated", "colocated")
+
+
+@dataclass
+class LayoutDecision:
+    """The node counts and CPUs ``--layout`` settles on (None: not decided here)."""
+
+    prefill: Optional[int]
+    decode: int
+    colocated: int
+    borrow: bool
+    cpus_decode: Optional[frozenset[int]] = None
+
+
+def _auto_layout(model: Optional[str], config: Optional[str], overrides: list[str],
+                 slo_overrides: list[str]) -> Optional[lay.Choice]:
+    """``--layout auto``: the measured choice (mooncaked.layout), or None when
+    the machine cannot be measured (then the disaggregated default)."""
+    from mooncaked.layout_measure import cached_or_measure
+    from mooncaked.node.config import ConfigError, load_config
+    try:
+        cfg = load_config(config_file=config, overrides=[*slo_overrides, *overrides],
+                          flags={"model.model": model})
+    except ConfigError:
+        return None  # the nodes report the bad configuration
+    cpus = sorted(os.sched_getaffinity(0))
+    slo = lay.Slo(cfg.conductor.ttft_slo_s, cfg.conductor.tbt_slo_ms / 1e3)
+    mix = lay.RequestMix()
+    try:
+        measured, source = cached_or_measure(cfg.model.model, len(cpus), mix,
+                                             cfg.model.prefill_chunk)
+    except RuntimeError as exc:
+        typer.echo(f"--layout auto: {exc}; running the disaggregated layout", err=True)
+        return None
+    choice = lay.choose(cpus, measured, mix, slo)
+    typer.echo(f"{choice.describe()}\n  (measurements of {cfg.model.model}: {source}; delete "
+               "the file to measure again)", err=True)
+    return choice
+
+
+def _resolve_layout(mode: str, prefill: Optional[int], decode: Optional[int], colocated: int,
+                    borrow: Optional[bool], user_layout: list[str], model: Optional[str],
+                    config: Optional[str], overrides: list[str],
+                    slo_overrides: list[str]) -> LayoutDecision:
+    """``--layout``: auto measures and chooses unless ``user_layout`` names
+    flags that set the layout by hand; disaggregated is the layout of
+    --prefill/--decode/--borrow's defaults; colocated runs --colocated nodes
+    (1 on every core unless given).  ValueError on contradicting flags."""
+    if mode not in LAYOUTS:
+        raise ValueError(f"--layout: expected one of {', '.join(LAYOUTS)}, got {mode!r}")
+    if mode == "colocated" and (prefill is not None or decode is not None):
+        raise ValueError("--layout colocated runs colocated nodes (--colocated N): "
+                         "--prefill/--decode are for the disaggregated layout")
+    if mode == "disaggregated" and colocated:
+        raise ValueError("--layout disaggregated and --colocated contradict each other")
+    own = LayoutDecision(prefill, 1 if decode is None else decode, colocated,
+                         True if borrow is None else borrow)
+    if mode == "colocated":
+        own.colocated = colocated or 1
+        return own
+    if mode == "disaggregated" or user_layout:
+        if mode == "auto":
+            typer.echo(f"--layout auto: {', '.join(user_layout)} given: the layout as asked",
+                       err=True)
+        return own
+    choice = _auto_layout(model, config, overrides, slo_overrides)
+    if choice is None:
+        return own
+    chosen = choice.best.layout
+    if chosen.kind == lay.COLOCATED:
+        return LayoutDecision(None, 0, chosen.nodes, False)
+    placed = choice.best.placement
+    return LayoutDecision(chosen.nodes, chosen.decode, 0,
+                          chosen.borrow if borrow is None else borrow,
+                          placed.cpus_of(DECODE))
+
+
 def _sets_store_capacity(config: Optional[str], overrides: list[str]) -> bool:
     """Whether the user sized the shards themselves (--set or --config)."""
     if any(o.split("=", 1)[0].strip() == "store.capacity_bytes" for o in overrides):
@@ -511,10 +589,13 @@ def register(app: typer.Typer) -> None:
     def up(
         prefill: Optional[int] = typer.Option(
             None, "--prefill", min=0,
-            help="Number of prefill nodes (default: 2, or 1 where --placement auto leaves "
+            help="Number of prefill nodes (default: as --layout auto chooses; with --layout "
+                 "disaggregated 2, or 1 where --placement auto leaves "
                  "prefill a single core: two nodes on one core would each run at half speed "
                  "while the other is busy, which the scheduler cannot see)."),
-        decode: int = typer.Option(1, "--decode", min=0, help="Number of decode nodes."),
+        decode: Optional[int] = typer.Option(
+            None, "--decode", min=0,
+            help="Number of decode nodes (default: as --layout auto chooses; otherwise 1)."),
         colocated: int = typer.Option(0, "--colocated", min=0,
                                       help="Run N colocated nodes (prefill+decode in one) instead."),
         cpp_group: int = typer.Option(0, "--cpp-group", min=0,
@@ -571,8 +652,8 @@ def register(app: typer.Typer) -> None:
                  f"Default {DEFAULT_STORE_MEMORY}: prefixes are reused only while they stay "
                  "cached. Refused when the machine cannot give it; store.capacity_bytes set "
                  "in --config or --set wins."),
-        borrow: bool = typer.Option(
-            True, "--borrow/--no-borrow",
+        borrow: Optional[bool] = typer.Option(
+            None, "--borrow/--no-borrow",
             help="With --placement auto (the default): one more prefill node on the decode CPUs "
                  "at idle priority (SCHED_IDLE, its autogroup at nice 19, from the end of its "
                  "start-up on, so a busy core cannot keep it from starting), computing in the gaps "
@@ -581,12 +662,21 @@ def register(app: typer.Typer) -> None:
                  "prefill node's speed on its own prefills and gives the borrower only requests "
                  "no other prefill node can serve within the TTFT SLO (its speed hangs on decode "
                  "work still to come; --set conductor.borrowed_prefill=always chooses it like "
-                 "any node). On by default: on the 2-core rate "
-                 "sweep it served more requests within the SLOs (docs/bench.md). A borrower "
-                 "killed on a busy core was seen to close its connections only after the "
-                 "heartbeat timeout: its requests then go to another node once membership "
-                 "declares it dead (node.heartbeat_timeout_s). --no-borrow keeps the decode CPUs to decode and "
-                 "the conductor."),
+                 "any node). A borrower killed on a busy "
+                 "core may close its connections only after the heartbeat timeout "
+                 "(node.heartbeat_timeout_s). --no-borrow keeps the decode CPUs to decode "
+                 "and the conductor. Default: on, unless --layout auto measures that it adds "
+                 "nothing."),
+        layout: str = typer.Option(
+            "auto", "--layout",
+            help="auto: time this machine's prefill and decode of the model (a few seconds, "
+                 "cached under ~/.cache/mooncaked) and run the layout that serves the most "
+                 "requests within the TTFT and TBT SLOs (colocated nodes, or prefill and decode "
+                 "nodes on disjoint CPU sets, with or without a borrower), printing the figures "
+                 "and why; --prefill/--decode/--colocated/--cpp-group/--cpus-*/--placement none "
+                 "set it by hand instead. disaggregated: prefill and decode nodes as "
+                 "--prefill/--decode/--borrow say. colocated: --colocated nodes (default 1, "
+                 "on every core)."),
     ) -> None:
         """Run a local cluster: one conductor plus prefill and decode nodes on loopback,
         restarting a node that dies."""
@@ -598,6 +688,26 @@ def register(app: typer.Typer) -> None:
         except ValueError as exc:
             typer.echo(f"mooncaked up: {exc}", err=True)
             raise typer.Exit(2) from None
+        user_layout = [flag for flag, given in (
+            ("--prefill", prefill is not None), ("--decode", decode is not None),
+            ("--colocated", colocated > 0), ("--cpp-group", cpp_group > 0),
+            ("--cpus-prefill", prefill_cpus is not None),
+            ("--cpus-decode", decode_cpus is not None),
+            ("--placement none", placement == "none")) if given]
+        layout_ttft = ttft_slo_s if ttft_slo_s is not None else (DEMO_TTFT_SLO_S if demo else None)
+        try:
+            chosen = _resolve_layout(
+                layout, prefill, decode, colocated, borrow, user_layout, model, config,
+                list(overrides),
+                ([f"conductor.ttft_slo_s={layout_ttft}"] if layout_ttft is not None else [])
+                + ([f"conductor.tbt_slo_ms={tbt_slo_ms}"] if tbt_slo_ms is not None else []))
+        except ValueError as exc:
+            typer.echo(f"mooncaked up: {exc}", err=True)
+            raise typer.Exit(2) from None
+        prefill, decode, colocated, borrow = (chosen.prefill, chosen.decode, chosen.colocated,
+                                              chosen.borrow)
+        if chosen.cpus_decode is not None:
+            decode_cpus = chosen.cpus_decode
         if prefill is None:
             prefill = _default_prefill(placement, decode, colocated, prefill_cpus, decode_cpus)
         cluster = LocalCluster(prefill=prefill if not colocated else colocated,

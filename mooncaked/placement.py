@@ -24,8 +24,10 @@ Rules (``place``):
   idle priority, so prefill uses the decode cores' idle time without taking
   any of it from decode.
 
-``default_prefill_nodes`` is how many prefill nodes ``up`` runs when not told:
-two, fewer when the prefill set has fewer cores than that.  The scheduler
+``default_prefill_nodes`` is how many prefill nodes ``up --layout
+disaggregated`` runs when not told: two, fewer when the prefill set has fewer
+cores than that.  (``up --layout auto``, the default, chooses the counts and
+sets from measurements instead: ``mooncaked/layout.py``.)  The scheduler
 prices each prefill node's queue as its own; two nodes time-slicing one core
 each run at half speed while the other is busy, which no per-node queue
 figure shows, so their predicted TTFTs come out too low exactly under load.

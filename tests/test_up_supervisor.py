@@ -248,6 +248,7 @@ def test_up_passes_served_model_name_to_the_conductor(tmp_path, monkeypatch):
     app = typer.Typer(rich_markup_mode=None)
     app.callback()(lambda: None)
     monkeypatch.setattr(launcher, "LocalCluster", Recorder)
+    monkeypatch.setattr(launcher, "_auto_layout", lambda *a: None)  # no measuring here
     launcher.register(app)
     result = CliRunner().invoke(app, ["up", "--served-model-name", "my-llm", "--set",
                                       "store.block_size=32", "--log-dir", str(tmp_path)])

@@ -5,8 +5,7 @@ After start-up a node holds hundreds of thousands that live as long as the
 process (torch and its modules, aiohttp, the model's Python objects), and a
 full collection then took 60-80 ms in a prefill node.  The event loop, and
 through the GIL the compute thread, stop meanwhile: the prefill running then,
-and every request queued behind it, finish that much later than predicted
-(seen on the trace-gen replay at 4x its rate, docs/bench.md).
+and every request queued behind it, finish that much later than predicted.
 
 ``freeze_startup`` moves what start-up built into the permanent generation,
 out of every later collection's walk (objects made afterwards are collected

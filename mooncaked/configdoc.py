@@ -168,28 +168,45 @@ def _cell(text: str) -> str:
 def _flags() -> list[tuple[str, str]]:
     """(flag, section.key) for each dedicated flag of the node command.
 
-    Read from the ``flags={...}`` mapping that ``mooncaked.cli.node`` hands to
-    ``load_config`` and from the ``[section.key]`` its options' help ends with.
+    Read from the source of ``mooncaked/cli.py`` (parsed, not imported: the
+    CLI imports this module to register its command): the ``flags={...}``
+    mapping that ``node`` hands to ``load_config``, and the ``[section.key]``
+    its options' help ends with.
     """
-    import typer.main
-
-    from mooncaked import cli
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cli.node)))
-    mappings = [kw.value for call in ast.walk(tree) if isinstance(call, ast.Call)
+    source = (Path(__file__).resolve().parent / "cli.py").read_text()
+    funcs = [f for f in ast.walk(ast.parse(source))
+             if isinstance(f, ast.FunctionDef) and f.name == "node"]
+    if len(funcs) != 1:
+        raise ConfigDocError("cannot find the node command in mooncaked/cli.py")
+    (func,) = funcs
+    mappings = [kw.value for call in ast.walk(func) if isinstance(call, ast.Call)
                 for kw in call.keywords if kw.arg == "flags" and isinstance(kw.value, ast.Dict)]
     if len(mappings) != 1:
         raise ConfigDocError("cannot find the one load_config(flags={...}) mapping in "
                              "mooncaked.cli.node that names the keys the dedicated flags set")
     (mapping,) = mappings
-    params = typer.main.get_command(cli.app).params
-    options = {p.name: max(p.opts, key=len) for p in params}
+    options: dict[str, str] = {}
+    helps: dict[str, str] = {}
+    args = func.args.args + func.args.kwonlyargs
+    defaults = [None] * (len(func.args.args) - len(func.args.defaults)) + list(func.args.defaults)
+    defaults += list(func.args.kw_defaults)
+    for arg, default in zip(args, defaults):
+        if not (isinstance(default, ast.Call) and getattr(default.func, "attr", "") == "Option"):
+            continue
+        names = [a.value for a in default.args
+                 if isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.startswith("--")]
+        if names:
+            options[arg.arg] = max(names, key=len)
+        for kw in default.keywords:
+            if kw.arg == "help" and isinstance(kw.value, ast.Constant):
+                helps[arg.arg] = kw.value.value
     out = [(options[value.id], key.value) for key, value in zip(mapping.keys, mapping.values)
            if isinstance(key, ast.Constant) and isinstance(value, ast.Name) and value.id in options]
     # A flag whose value is converted first (--store-memory) names its key in its help.
-    for param in params:
-        match = re.search(r"\[([a-z_]+\.[a-z_]+)[],]", getattr(param, "help", None) or "")
-        if match and options[param.name] not in dict(out):
-            out.append((options[param.name], match.group(1)))
+    for name, flag in options.items():
+        match = re.search(r"\[([a-z_]+\.[a-z_]+)[],]", helps.get(name, ""))
+        if match and flag not in dict(out):
+            out.append((flag, match.group(1)))
     return out
 
 

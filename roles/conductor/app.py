@@ -7,7 +7,8 @@ POST /admin/cache/match      {"prompt": str | [ids]} or {"messages": [...]}: cac
 POST /admin/cache/replicate  {"prompt": ..., "replicas": n} (bearer admin_token): make n
                              prefill nodes hold the prompt's prefix, pulling it from a holder
 GET /admin/requests/{id}     one request's trace (?tokens=1 adds the output token ids)
-(OpenAI-compatible routes: roles.conductor.openai_api)
+(OpenAI-compatible routes: roles.conductor.openai_api; external engines' KV events and
+Mooncake's Indexer API, /register /unregister /query /query_by_hash: roles.engines)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from roles.conductor.membership_api import setup_membership
 from roles.conductor.metrics import ConductorMetrics, NodeLoadCollector
 from roles.conductor.openai_api import OPENAI_BACKEND, add_openai_routes
 from roles.conductor.openai_types import ApiLimits, GenerationRequest
+from roles.engines.indexer_api import add_indexer_routes, engines_ctx
 
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 
@@ -166,6 +168,9 @@ def setup_conductor(app: web.Application, ctx: NodeContext) -> None:
     app.router.add_get("/admin/requests/{request_id}", get_request)
     app.router.add_post("/admin/cache/match", cache_match)
     app.router.add_post("/admin/cache/replicate", cache_replicate)
+    # External engines' KV events and Mooncake's Indexer API (roles.engines).
+    app.cleanup_ctx.append(engines_ctx(cfg.store.hash_seed))
+    add_indexer_routes(app)
 
     def nodes_status() -> list[dict]:
         now = time.monotonic()

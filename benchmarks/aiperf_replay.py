@@ -38,7 +38,10 @@ What it does, per server (a fresh one each, cold cache):
 aiperf prompts are text (hash-id blocks of its own corpus, decoded with the
 checkpoint's tokenizer); the server tokenizes them again, so prompt lengths
 and shared prefixes are those of the scaled slice up to BPE merges at block
-joins.  Token counts are the server's (``--use-server-token-count``: the
+joins, which with a small tokenizer leave little of the shared prefixes
+(2-6% of the reusable tokens measured on both servers).
+``benchmarks/user_compare.py`` gives aiperf block-stable literal prompts
+instead (``prompt_text.BlockText``) and is the comparison of record.  Token counts are the server's (``--use-server-token-count``: the
 ``usage`` of the last streamed chunk, cached prompt tokens from
 ``usage.prompt_tokens_details.cached_tokens``).  Goodput is aiperf's: requests meeting both SLOs (TTFT, and the
 request's mean inter-token latency) per second of the run.  aiperf counts an

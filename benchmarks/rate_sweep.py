@@ -11,9 +11,8 @@ buffers and fitted estimators see the slice's shapes; its cache hits stay its
 own), then the slice replayed at that rate (arrival = trace timestamp / rate).
 Servers alternate within a rate, so machine drift hits both.  mooncaked is started through the real ``mooncaked up``
 command line (``--up-args``, default: its defaults), so what is measured is
-the layout ``up`` picks for this machine; its store gets the KV memory
-vLLM gets (2 GiB, split between the nodes of ``up``'s default layout) unless
-``--up-args`` sets store.capacity_bytes.  vLLM: ``vllm_compare.vllm_target`` (its venv is built
+the layout, block size and store size ``up`` picks for this machine, with
+only ``--ttft-slo-s``/``--tbt-slo-ms`` set to the SLOs the run is judged by.  vLLM: ``vllm_compare.vllm_target`` (its venv is built
 on first use, about 3.5 GB).
 
 Writes sweep.json, sweep.md and sweep.png (goodput, in-SLO share of accepted
@@ -45,8 +44,7 @@ from mooncaked.benchserve.replay import ReplayConfig, run_replay  # noqa: E402
 from mooncaked.benchserve.report import Slo  # noqa: E402
 from mooncaked.benchserve.session import MACHINE_NOTE, run_bench  # noqa: E402
 from mooncaked.benchserve.workload import WorkloadConfig, build_workload, warmup_slice  # noqa: E402
-from mooncaked.placement import CONDUCTOR, default_prefill_nodes, place  # noqa: E402
-from vllm_compare import (VLLM_KV_CACHE_GIB, ensure_vllm_venv, prepare_checkpoint,  # noqa: E402
+from vllm_compare import (ensure_vllm_venv, prepare_checkpoint,  # noqa: E402
                           vllm_target)
 
 
@@ -54,8 +52,10 @@ def log(msg: str) -> None:
     print(f"[rate_sweep] {msg}", file=sys.stderr, flush=True)
 
 
-def up_target(model_dir: Path, up_args: list[str], log_dir: Path, start_timeout_s: float) -> Target:
-    """``mooncaked up`` as a subprocess; its printed ``API:`` line is the URL."""
+def up_target(model_dir: Path, up_args: list[str], log_dir: Path, start_timeout_s: float,
+              served_model_name: str | None = "model", name: str = "mooncaked") -> Target:
+    """``mooncaked up --model DIR --log-dir ... UP_ARGS`` as a subprocess (with
+    ``--served-model-name`` unless None); its printed ``API:`` line is the URL."""
     state: dict[str, Any] = {}
     starts = [0]
 
@@ -64,7 +64,8 @@ def up_target(model_dir: Path, up_args: list[str], log_dir: Path, start_timeout_
         logs = log_dir / f"up_{starts[0]}"
         logs.mkdir(parents=True, exist_ok=True)
         cmd = [str(ROOT / ".venv" / "bin" / "mooncaked"), "up", "--model", str(model_dir),
-               "--served-model-name", "model", "--log-dir", str(logs), *up_args]
+               *(["--served-model-name", served_model_name] if served_model_name else []),
+               "--log-dir", str(logs), *up_args]
         err = (logs / "up.stderr").open("wb")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
                                 start_new_session=True)
@@ -98,39 +99,24 @@ def up_target(model_dir: Path, up_args: list[str], log_dir: Path, start_timeout_
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
 
-    return Target("mooncaked", f"mooncaked up {shlex.join(up_args) or '(defaults)'}", start, stop)
-
-
-def up_default_nodes() -> int:
-    """The nodes `mooncaked up` runs by default on this machine (its own
-    placement rules; the conductor not counted): on 2 cores a prefill node,
-    the borrower and a decode node."""
-    cpus = os.sched_getaffinity(0)
-    layout = place(cpus, default_prefill_nodes(cpus, 1), 1, borrow=True)
-    return sum(1 for n in layout.nodes if n.role != CONDUCTOR)
+    return Target(name, f"mooncaked up --model M {shlex.join(up_args) or '(defaults)'}",
+                  start, stop)
 
 
 def server_targets(wanted: list[str], model_dir: Path, max_len: int, block_tokens: int,
                    args: argparse.Namespace) -> list[Target]:
     """The servers named in ``wanted`` (mooncaked, vllm) on one checkpoint;
     ``args`` carries up_args, ttft_slo (s), tbt_slo (ms), out, workdir and
-    vllm_start_timeout.  mooncaked's conductor admits against the same SLOs
-    the benchmark judges by."""
+    vllm_start_timeout.  mooncaked is started as a user starts it, plus the
+    SLO flags the benchmark judges by (``--ttft-slo-s``, ``--tbt-slo-ms``)
+    and whatever ``--up-args`` says: no hidden ``--set`` (its block size and
+    store size are up's defaults; ``block_tokens``, the replay's tokens per
+    hash id, is not passed to it)."""
+    del block_tokens
     targets: list[Target] = []
     if "mooncaked" in wanted:
         up_args = shlex.split(args.up_args) + [
-            "--set", f"store.block_size={block_tokens}",
-            "--set", f"conductor.ttft_slo_s={args.ttft_slo}",
-            "--set", f"conductor.tbt_slo_ms={args.tbt_slo}"]
-        if not any(a.startswith("store.capacity_bytes=") for a in up_args):
-            # The KV memory vLLM gets, split between the nodes of the layout
-            # `up` picks by default (--up-args that change the node counts
-            # should set store.capacity_bytes too).  With the store's default
-            # 256 MiB a node, prefixes of the Synthetic trace were evicted
-            # before their reuse 30 s later (3.8k of 9.6k reusable tokens lost
-            # at 1x), which vLLM's 2 GiB kept.
-            per_node = VLLM_KV_CACHE_GIB * 2**30 // up_default_nodes()
-            up_args += ["--set", f"store.capacity_bytes={per_node}"]
+            "--ttft-slo-s", f"{args.ttft_slo:g}", "--tbt-slo-ms", f"{args.tbt_slo:g}"]
         targets.append(up_target(model_dir, up_args, args.out / "logs", 240.0))
     if "vllm" in wanted:
         python = ensure_vllm_venv(args.workdir / "venv-vllm")

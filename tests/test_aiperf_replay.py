@@ -177,6 +177,9 @@ def test_aiperf_replays_a_trace_against_mooncaked_up_unchanged(tmp_path):
     rc = aiperf_replay.main([
         "--model-dir", str(ckpt), "--trace", str(trace), "--max-requests", "3",
         "--warmup", "0", "--ttft-slo", "120", "--tbt-slo", "60000",
+        # 32-token store blocks (up's default is 256), so that 3 shared hash
+        # ids (96 tokens) can be served from cache at all.
+        "--up-args", "--set store.block_size=32",
         "--request-timeout", "120", "--out", str(out)])
     assert rc == 0
     (row,) = json.loads((out / "replay.json").read_text())["rows"]

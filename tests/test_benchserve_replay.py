@@ -25,9 +25,12 @@ BLOCK = 16  # cluster block size (TINY) == scaled tokens per trace hash id (512 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    # Reservations must outlive the prefill queue of a 50-request burst on 2 cores.
+    # Reservations must outlive the prefill queue of a 50-request burst on 2
+    # cores, and the SLOs admit it all (the conductor's interactive defaults,
+    # 1 s / 100 ms, would refuse part of the burst).
     with running_cluster(tmp_path_factory.mktemp("bench-cluster"), prefill=2, decode=1,
-                         extra=["decode.reservation_timeout_s=120"]) as c:
+                         extra=["decode.reservation_timeout_s=120", "conductor.ttft_slo_s=30",
+                                "conductor.tbt_slo_ms=200"]) as c:
         yield c
 
 
@@ -62,7 +65,7 @@ def test_synthetic_slice_replays_and_report_matches_records(cluster, tmp_path):
                         for r in rows)
     assert (tmp_path / "latency_cdf.png").stat().st_size > 0
     assert len(records) == 50 and summary["sent"] == 50
-    # Every request ran to completion (no 429: SLOs are 30 s by default on the cluster).
+    # Every request ran to completion (no 429: the cluster's SLOs are 30 s / 200 ms).
     assert [r["status"] for r in records] == ["ok"] * 50, [r["error"] for r in records]
 
     ok = [r for r in records if r["status"] == "ok"]

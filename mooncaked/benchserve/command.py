@@ -13,7 +13,7 @@ from mooncaked.benchserve.compare import (DEFAULT_CONFIGS, PRESETS, ClusterShape
                                           warmup_requests)
 from mooncaked.benchserve.isolated import CLIENT_NICE, IsolatedClient
 from mooncaked.benchserve.replay import ReplayConfig
-from mooncaked.benchserve.report import Slo, plot_sweep
+from mooncaked.benchserve.report import Slo, plot_sweep, prefix_hit_line
 from mooncaked.benchserve.session import MACHINE_NOTE, headline, run_bench
 from mooncaked.benchserve.tracegen import TraceGenConfig, describe, generate, write_trace
 from mooncaked.benchserve.workload import WorkloadConfig, build_workload
@@ -137,6 +137,9 @@ def register(bench: typer.Typer, app: typer.Typer) -> None:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from None
         typer.echo(json.dumps({"note": MACHINE_NOTE, **summary}, indent=1))
+        for row in summary.get("sweep") or [summary]:
+            typer.echo((f"rate {row['rate']:g}/s: " if "rate" in row else "")
+                       + prefix_hit_line(row), err=True)
 
     @bench.command("compare")
     def compare_cmd(
@@ -231,13 +234,16 @@ def register(bench: typer.Typer, app: typer.Typer) -> None:
         documents: int = typer.Option(10, help="Distinct long documents."),
         document_tokens: int = typer.Option(16384, help="Tokens per document."),
         max_input_tokens: int = typer.Option(131072, help="A chat ends before passing this."),
+        arrival_cv: float = typer.Option(1.0, help="Coefficient of variation of the gaps "
+                                         "between arrivals: 1 = Poisson, above 1 = bursty."),
         annotate: bool = typer.Option(False, help="Add kind/session/turn/doc/system fields."),
     ) -> None:
         """Write a Mooncake-format trace with shared system prompts, chats and documents."""
         try:
             cfg = TraceGenConfig(requests, rate, seed, chat_share, doc_share, system_prompts,
                                  system_prompt_tokens, turns_mean, think_time, user_tokens,
-                                 output_tokens, documents, document_tokens, max_input_tokens)
+                                 output_tokens, documents, document_tokens, max_input_tokens,
+                                 arrival_cv)
         except ValueError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None

@@ -142,7 +142,22 @@ def summarize(results: list[RequestResult], slo: Slo,
     out["prediction"] = prediction_error(ok, out["ttft_s"].get("p50"))
     if theoretical_hit_ratio is not None:
         out["theoretical_hit_ratio"] = theoretical_hit_ratio
+        out["cache_hit_of_theoretical"] = (out["cache_hit_ratio"] / theoretical_hit_ratio
+                                           if theoretical_hit_ratio > 0 else None)
     return out
+
+
+def prefix_hit_line(summary: dict[str, Any]) -> str:
+    """The replay's prefix reuse in one line: what the server reported as
+    cached, against what an unbounded instant cache would have given."""
+    theo = summary.get("theoretical_hit_ratio")
+    line = (f"prefix hits: {summary.get('cache_hit_ratio', 0.0):.1%} of prompt tokens cached "
+            f"(the server's usage.prompt_tokens_details.cached_tokens)")
+    if theo is None:
+        return line
+    line += f"; theoretical {theo:.1%} (unbounded instant cache over the replayed slice)"
+    ratio = summary.get("cache_hit_of_theoretical")
+    return line + (f"; achieved / theoretical {ratio:.2f}" if ratio is not None else "")
 
 
 def prediction_error(ok: list[RequestResult], ttft_p50_s: Optional[float]) -> dict[str, Any]:

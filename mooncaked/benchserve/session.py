@@ -83,6 +83,7 @@ def headline(summary: dict[str, Any]) -> dict[str, Any]:
             "effective_request_capacity": g("effective_request_capacity"),
             "goodput_rps": g("goodput_rps"), "cache_hit_ratio": g("cache_hit_ratio"),
             "theoretical_hit_ratio": g("theoretical_hit_ratio"),
+            "cache_hit_of_theoretical": g("cache_hit_of_theoretical"),
             "prefill_compute_s": g("prefill_compute_s"),
             "accepted": g("accepted"), "accepted_in_slo": g("accepted_in_slo"),
             "itl_p50_s": g("itl_s", "p50"), "itl_p90_s": g("itl_s", "p90"),

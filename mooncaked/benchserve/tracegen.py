@@ -1,6 +1,9 @@
 """A small generator of Mooncake-format traces, for users without traces.
 
-Three kinds of traffic, each starting at Poisson times (``rate`` per second):
+Three kinds of traffic, each starting at random times, ``rate`` per second:
+Poisson arrivals by default, burstier with ``arrival_cv`` > 1 (gamma
+inter-arrival gaps with that coefficient of variation: many short gaps and
+a few long ones, the same mean).
 
 - ``chat``: a multi-turn session behind one of ``system_prompts`` shared
   system prompts; turn k+1's prompt is turn k's prompt + its answer + a new
@@ -48,6 +51,7 @@ class TraceGenConfig:
     documents: int = 10
     document_tokens: int = 16384    # rounded up to whole blocks
     max_input_tokens: int = 131072  # a chat session ends before its prompt would pass this
+    arrival_cv: float = 1.0         # coefficient of variation of arrival gaps (1 = Poisson)
 
     def __post_init__(self) -> None:
         for name in ("requests", "system_prompts", "documents", "user_tokens_mean",
@@ -64,6 +68,8 @@ class TraceGenConfig:
             raise ValueError("turns_mean must be >= 1")
         if self.think_time_s < 0:
             raise ValueError("think_time_s must be >= 0")
+        if not self.arrival_cv > 0:
+            raise ValueError("arrival_cv must be > 0 (1 = Poisson)")
         if self.max_input_tokens < self.system_prompt_tokens + 2 * BLOCK:
             raise ValueError("max_input_tokens must leave room beyond the system prompt")
 
@@ -102,6 +108,15 @@ def _request(t_s: float, prefix: list[int], prefix_tokens: int, new_tokens: int,
             "hash_ids": hash_ids, **note}
 
 
+def _gap(rng: random.Random, rate: float, cv: float) -> float:
+    """One inter-arrival gap of mean 1/rate: exponential (cv 1, the same
+    draws as before arrival_cv existed) or gamma with shape 1/cv^2."""
+    if cv == 1.0:
+        return rng.expovariate(rate)
+    shape = 1.0 / (cv * cv)
+    return rng.gammavariate(shape, 1.0 / (rate * shape))
+
+
 def generate(cfg: TraceGenConfig, annotate: bool = False) -> list[dict[str, Any]]:
     rng = random.Random(cfg.seed)
     ids = _Ids()
@@ -119,7 +134,7 @@ def generate(cfg: TraceGenConfig, annotate: bool = False) -> list[dict[str, Any]
     pending: list[int] = []
     started = 0
     while started < cfg.requests:
-        t += rng.expovariate(cfg.rate)
+        t += _gap(rng, cfg.rate, cfg.arrival_cv)
         while pending and pending[0] <= t * 1000:
             heapq.heappop(pending)
             started += 1
@@ -178,10 +193,15 @@ def describe(records: list[dict[str, Any]]) -> dict[str, Any]:
                          tuple(r["hash_ids"])) for i, r in enumerate(records)]
     n = len(records) or 1
     span = (records[-1]["timestamp"] - records[0]["timestamp"]) / 1000 if records else 0.0
+    gaps = [(b["timestamp"] - a["timestamp"]) / 1000 for a, b in zip(records, records[1:])]
+    mean_gap = sum(gaps) / len(gaps) if gaps else 0.0
+    sd_gap = math.sqrt(sum((g - mean_gap) ** 2 for g in gaps) / len(gaps)) if gaps else 0.0
     return {"requests": len(records),
             "avg_input": sum(r["input_length"] for r in records) / n,
             "avg_output": sum(r["output_length"] for r in records) / n,
             "span_s": span, "rate_rps": (len(records) - 1) / span if span > 0 else 0.0,
             "theoretical_hit_ratio": theoretical_hit_rate(reqs),
+            # Of every request's arrival gap: 1 for Poisson arrivals, more when bursty.
+            "arrival_gap_cv": sd_gap / mean_gap if mean_gap > 0 else 0.0,
             "max_input": max((r["input_length"] for r in records), default=0),
             "blocks_per_request": math.fsum(len(r["hash_ids"]) for r in records) / n}

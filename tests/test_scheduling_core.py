@@ -18,7 +18,9 @@ def make_sched(policy="mooncake", n_prefill=3, ttft_slo=30.0, tbt_slo=0.1, bw=1e
     if policy == "mooncake":
         params.setdefault("kvcache_balancing_threshold", threshold)
     cfg = SchedulerConfig(policy=policy, policy_params=params, ttft_slo_s=ttft_slo,
-                          tbt_slo_s=tbt_slo, kv_bytes_per_token=KVB)
+                          tbt_slo_s=tbt_slo, kv_bytes_per_token=KVB,
+                          # Algorithm 1's own mechanics: the queue as nodes report it, one fit.
+                          queue_from_bookings=False, per_node_prefill_fit=False)
     s = Scheduler(cfg, est, TransferEstimator(bw), DecodeEstimator(0.02, 0.001, 0.0))
     for i in range(n_prefill):
         s.add_prefill_node(f"p{i}")

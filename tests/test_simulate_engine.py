@@ -179,3 +179,15 @@ def test_shared_prompt_replicates_to_every_serving_node_and_decode_stats(tiny_pr
     assert bound["by_uses"]["8"]["holders_at_end"] == len(served)
     assert res.summary["decode_max_batch"] >= 1
     assert 0 < res.summary["decode_busy_share"] <= 1
+
+
+def test_the_simulator_schedules_with_the_conductors_configuration():
+    """Every scheduling knob but the experiment's own (its SLOs, rejection on
+    or off, the simulated model's KV size) is what a default conductor runs."""
+    from mooncaked.node.sections import ConductorSection
+    sim = Simulation(SimConfig(prefill=1, decode=1), [])
+    mine = sim.scheduler.config
+    experiment = dict(ttft_slo_s=mine.ttft_slo_s, tbt_slo_s=mine.tbt_slo_s, reject=mine.reject,
+                      kv_bytes_per_token=mine.kv_bytes_per_token,
+                      reject_on_current_load=mine.reject_on_current_load)
+    assert mine == core.scheduler_config(ConductorSection(), **experiment)

@@ -96,52 +96,39 @@ class ConductorSection:
     prefill_profile: str = ""
     # Price a prefill node that borrows the decode nodes' cores
     # (prefill.yields_to) by its CPU seconds and their predicted busy time
-    # instead of by its wall times (SchedulerConfig.price_yielded_work).  On
-    # by default since stop 25: where decode keeps the borrowed core busy
-    # (a slower machine at 4x) the borrower's wall times swing with decode
-    # load, and priced by them it held most of the TTFT error (MAE 19-62% of
-    # the p50 in eight runs, against 10-19% in five priced by its work;
-    # goodput equal, docs/bench.md).
+    # instead of by its wall times (SchedulerConfig.price_yielded_work):
+    # where decode keeps the borrowed core busy, its wall times swing with
+    # the decode load.
     price_borrowed_work: bool = True
-    # Choose the prefill node by predicted TTFT + its learned bias + this many
-    # times its recent mean absolute TTFT error (0: by predicted TTFT alone,
-    # Algorithm 1 as the paper states it).
-    choose_error_margin: float = 0.0
     # What a prefill node that borrows the decode nodes' cores
     # (prefill.yields_to) is given: "overflow", only a request that no node
     # with cores of its own admits within the TTFT SLO (its speed hangs on
     # decode work still to come, so its predictions hold worst); "always",
     # chosen by predicted TTFT like any node.
     borrowed_prefill: str = "overflow"
-    # The learned TTFT bias is also kept per load level: the requests in
-    # flight when a request is scheduled, split at these counts ([1, 2, 4]:
-    # 0, 1, 2-3, 4 or more; empty: one bias per prefill node).  What the
-    # estimators miss (relaying other requests' tokens, reservations and RPCs
-    # on busy event loops) grows with that load.
-    ttft_bias_load_bounds: list[int] = field(default_factory=lambda: [1, 2, 4])
-    # Scale each decode node's predicted TBT by this quantile of the ratios
-    # (measured TBT, the mean of a request's longest 10% token intervals as
-    # the conductor relays them, over the predicted decode step) of its
-    # recent requests; 0 = the model's step alone.  The step fit follows the
-    # mean; a program busy on the decode cores stretches the longest
-    # intervals most, and only this sees it.
-    tbt_ratio_quantile: float = 0.9
+    # Seconds after which a residual's weight halves (the residual model,
+    # roles/scheduling/residuals.py: measured minus predicted TTFT, and the
+    # log of measured over predicted TBT, of finished requests).
+    residual_half_life_s: float = 30.0
+    # Admit a request when its prediction plus this quantile of its node's
+    # residuals is within the SLO (node choice adds the median).
+    admit_quantile: float = 0.9
+    # Residuals a node (or a node at one load level) needs before its own are
+    # used instead of those of the level above it (node, then the cluster).
+    residual_min_samples: int = 8
 
     def __post_init__(self) -> None:
-        if not 0 <= self.tbt_ratio_quantile <= 1:
-            raise ValueError(f"conductor.tbt_ratio_quantile must be in [0, 1]; "
-                             f"got {self.tbt_ratio_quantile}")
+        if self.residual_half_life_s <= 0:
+            raise ValueError("conductor.residual_half_life_s must be > 0")
+        if not 0 < self.admit_quantile < 1:
+            raise ValueError(f"conductor.admit_quantile must be in (0, 1); got {self.admit_quantile}")
+        if self.residual_min_samples < 1:
+            raise ValueError("conductor.residual_min_samples must be >= 1")
         if self.borrowed_prefill not in BORROWED_PREFILL_USES:
             raise ValueError(f"conductor.borrowed_prefill must be one of "
                              f"{', '.join(BORROWED_PREFILL_USES)}; got {self.borrowed_prefill!r}")
         if self.ttft_slo_s <= 0 or self.tbt_slo_ms <= 0:
             raise ValueError("conductor.ttft_slo_s and conductor.tbt_slo_ms must be positive")
-        if self.choose_error_margin < 0:
-            raise ValueError("conductor.choose_error_margin must be >= 0")
-        bounds = self.ttft_bias_load_bounds
-        if any(b < 1 for b in bounds) or bounds != sorted(set(bounds)):
-            raise ValueError("conductor.ttft_bias_load_bounds must be increasing counts >= 1, "
-                             f"got {bounds}")
         if self.kvcache_balancing_threshold < 1.0:
             raise ValueError("conductor.kvcache_balancing_threshold must be >= 1.0")
         if self.max_prompt_tokens <= 0 or self.max_request_bytes <= 0 or self.max_tokens_default <= 0:

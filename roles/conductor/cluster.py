@@ -26,7 +26,7 @@ from mooncaked.node.messages import (CacheEvents, CacheEventsAck, CacheSnapshot,
                                      DecodeStepSample, MessageError, Ok, Route, StoredBlocks)
 from roles.scheduling.estimators import (DecodeEstimator, PipelinePrefillEstimator,
                                          PolynomialPrefillEstimator, TransferEstimator)
-from roles.scheduling.scheduler import Scheduler, SchedulerConfig
+from roles.scheduling.scheduler import Scheduler, scheduler_config
 from roles.scheduling.state import DecodeStep, NodeReport, RunningSeq
 
 log = logging.getLogger("mooncaked.conductor.cluster")
@@ -42,11 +42,6 @@ DECODE_REFIT_EVERY = 16                   # measured decode steps between TBT re
 # Prefills the online fit keeps: recent enough to follow a machine whose
 # speed changes (cores shared with other work), enough for 5 terms.
 PREFILL_FIT_WINDOW = 96
-TTFT_BIAS_ALPHA = 0.1                     # learn the TTFT the estimators miss (RPCs, shared cores)
-SLO_ADMIT_FRACTION = 0.9                  # admit predictions within 90% of each SLO
-# ... and once a node has a record, within the SLO less twice its recent mean
-# absolute TTFT error (roles/scheduling/scheduler.py ttft_admit_limit).
-TTFT_MARGIN_ERRORS = 2.0
 
 
 def load_prefill_coeffs(path: str) -> dict[str, float]:
@@ -66,17 +61,7 @@ class ClusterView:
     def __init__(self, registry: NodeRegistry, section) -> None:  # section: ConductorSection
         self.registry = registry
         self.scheduler = Scheduler(
-            SchedulerConfig(policy=section.policy, ttft_slo_s=section.ttft_slo_s,
-                            tbt_slo_s=section.tbt_slo_ms / 1000.0,
-                            policy_params=_policy_params(section),
-                            ttft_bias_alpha=TTFT_BIAS_ALPHA, ttft_bias_rule="median",
-                            slo_admit_fraction=SLO_ADMIT_FRACTION, queue_from_bookings=True,
-                            per_node_prefill_fit=True, ttft_margin_errors=TTFT_MARGIN_ERRORS,
-                            price_yielded_work=section.price_borrowed_work,
-                            choose_error_margin=section.choose_error_margin,
-                            yielding_overflow_only=section.borrowed_prefill == "overflow",
-                            ttft_bias_load_bounds=tuple(section.ttft_bias_load_bounds),
-                            tbt_ratio_quantile=section.tbt_ratio_quantile),
+            scheduler_config(section),
             PolynomialPrefillEstimator(load_prefill_coeffs(section.prefill_profile), refit_every=8,
                                        window=PREFILL_FIT_WINDOW, least_absolute=True),
             TransferEstimator(DEFAULT_TRANSFER_BPS),
@@ -236,10 +221,16 @@ class ClusterView:
                         for n, s in sched.prefill.items()},
             "decode": {n: {"alive": d.alive, "accepting": d.accepting, "batch_size": d.batch_size,
                            "free_pages": d.free_pages,
-                           # Measured over predicted TBT lately (tbt_ratio_quantile).
+                           # exp(admission-quantile TBT log-ratio residual).
                            "tbt_ratio": round(sched.tbt_ratio(n, now), 3)}
                        for n, d in sched.decode.items()},
             "rejections": dict(sched.rejections),
+            # The residual model's windows, per key (cluster, node, node/level).
+            "residuals": {kind: {key: {"samples": st.samples, "weight": round(st.weight, 3),
+                                       "median": round(st.median, 4),
+                                       "quantile": round(st.quantile, 4)}
+                                 for key, st in stats.items()}
+                          for kind, stats in sched.residual_stats(now).items()},
             "ttft_error_mean_s": sum(errors) / len(errors) if errors else None,
             "prefill_coeffs": getattr(sched.prefill_est, "coeffs", None),
             # What prices each node: its own fit, else (none yet) the cluster-wide one.
@@ -248,10 +239,6 @@ class ClusterView:
         }
 
 
-def _policy_params(section) -> dict:
-    if section.policy == "mooncake":
-        return {"kvcache_balancing_threshold": section.kvcache_balancing_threshold}
-    return {}
 
 
 CLUSTER = web.AppKey("cluster", ClusterView)

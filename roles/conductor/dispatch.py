@@ -53,15 +53,15 @@ PREFILL_DEADLINE_MARGIN_S = 10.0
 MAX_PREFILL_ATTEMPTS = 3
 # What a first token still takes once the prefill node replies (the reply's
 # way back and the conductor's handling: the conductor-side part of the
-# prefill call was a median 1.6 ms in stop 30): the node is asked to reply
+# prefill call takes a few milliseconds): the node is asked to reply
 # that much before the predicted TTFT.
 PREFILL_REPLY_ALLOWANCE_S = 0.002
 
 
 def _rejection_message(rejection: Rejection) -> str:
     """What a client is told when it is refused: the prediction and the limit
-    it exceeded (the SLO less the margin the conductor keeps for its own
-    prediction error), so a 429 under light load can be told apart from one
+    it exceeded (the SLO less the spread between the admission quantile and
+    the median of its node's TTFT residuals), so a 429 under light load can be told apart from one
     under overload."""
     ttft, tbt = rejection.predicted_ttft_s, rejection.predicted_tbt_s * 1000
     if rejection.reason == "ttft_slo":
@@ -104,7 +104,7 @@ class RequestTrace:
     # joins) and the measured one: mean interval between decoded tokens.
     predicted_tbt_s: float = 0.0
     tbt_s: float = 0.0
-    # The predicted TTFT's parts (the rest of it is the learned bias).
+    # The predicted TTFT's parts (the rest of it is the median residual).
     predicted_queue_s: float = 0.0
     predicted_prefill_s: float = 0.0
     schedule_s: float = 0.0
@@ -280,7 +280,7 @@ class Dispatcher:
         """``arrival_s``: time.monotonic() when the HTTP request arrived.
         Its TTFT and token times count from then, as its client's do: the
         body read and the tokenizing before this call are part of what the
-        client waits for, and the TTFT bias learns them with the rest."""
+        client waits for, and the TTFT residuals learn them with the rest."""
         cluster, sched = self.cluster, self.cluster.scheduler
         bs = cluster.block_size
         t_start = time.perf_counter()

@@ -9,7 +9,7 @@ from .estimators import (DecodeEstimator, FlopsPrefillEstimator, ModelShape,
 from .index import GlobalCacheIndex
 from .policies import POLICIES, PlanContext, Policy
 from .registry import make_policy
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import Scheduler, SchedulerConfig, scheduler_config
 from .state import (BookedJoin, Decision, DecodeLoad, DecodeNodeState, DecodeStep, NodeReport,
                     PrefillNodeState, PrefillPlan, Rejection, RunningSeq, ScheduleRequest,
                     TransferPlan)
@@ -17,7 +17,8 @@ from .state import (BookedJoin, Decision, DecodeLoad, DecodeNodeState, DecodeSte
 __all__ = [
     "DecodeEstimator", "FlopsPrefillEstimator", "ModelShape", "PolynomialPrefillEstimator",
     "PrefillEstimator", "TransferEstimator", "fit_polynomial", "GlobalCacheIndex", "POLICIES",
-    "PlanContext", "Policy", "make_policy", "Scheduler", "SchedulerConfig", "Decision",
+    "PlanContext", "Policy", "make_policy", "Scheduler", "SchedulerConfig", "scheduler_config",
+    "Decision",
     "DecodeNodeState", "NodeReport", "PrefillNodeState", "PrefillPlan", "Rejection",
     "ScheduleRequest", "TransferPlan", "BookedJoin", "DecodeLoad", "DecodeStep", "RunningSeq",
     "fit_decode",

@@ -60,7 +60,7 @@ class PlanContext:
         # yields its cores to others (roles/scheduling/borrowed.py).
         self.wall_s = wall_s or (lambda node, start, work: work)
         # What choosing `node` costs beyond its plan's TTFT (the scheduler's
-        # learned per-node bias and error margin); default nothing.
+        # median residual of the node); default nothing.
         self.extra_s = extra_s or (lambda node: 0.0)
 
     def cost(self, plan: PrefillPlan) -> float:

@@ -1,0 +1,178 @@
+"""One residual model for what the cost model misses.
+
+A residual is what happened minus what the cost model predicted: TTFT
+residuals in seconds, TBT residuals as ``log(measured / predicted)``.  Each
+finished request adds one residual to three windows, a fallback chain from
+least to most specific:
+
+    cluster  ->  node  ->  (node, load level)
+
+A query reads the most specific window holding at least ``min_samples``
+samples, falling back up the chain; when not even the cluster's holds that
+many, the residual is 0: the cost model alone (a handful of samples is not
+a quantile).
+
+Samples are aged by ONE half-life: at query time (passed in; nothing here
+reads a clock) a sample of age ``a`` weighs ``0.5 ** (a / half_life_s)``.
+Windows are bounded (``WINDOW`` samples per key), so the model forgets both by
+age and by count.  A sample whose prediction was priced by an unfitted prior
+carries no information about the fitted model and gets no weight: it is not
+recorded.
+
+Node choice uses the weighted median (the residual that minimises the mean
+absolute error); admission uses the weighted ``q``-quantile, a
+split-conformal bound: a prediction plus the q-quantile of past residuals
+exceeds the outcome for about a ``q`` share of requests like those seen.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Hashable
+
+# Samples kept per key: enough for a 0.9-quantile to rest on ~10 samples
+# above it, few enough that a node whose behaviour changed is relearned fast.
+WINDOW = 128
+# A key is trusted once it holds this many samples; below, its parent's is used.
+MIN_SAMPLES = 8
+DEFAULT_HALF_LIFE_S = 30.0
+DEFAULT_ADMIT_QUANTILE = 0.9
+
+CLUSTER: tuple = ("cluster",)
+
+
+def load_level(in_flight: int) -> int:
+    """The load level of ``in_flight`` requests: 0, 1, 2-3, 4-7, ... map to
+    0, 1, 2, 3, ...  Doubling buckets: what the model misses grows with the
+    work beside a request, by steps that a few levels resolve."""
+    return max(0, int(in_flight)).bit_length()
+
+
+def log_ratio(measured: float, predicted: float) -> float | None:
+    """The TBT residual ``log(measured / predicted)``; None when either is not
+    a positive number (nothing to learn from)."""
+    if not (measured > 0 and predicted > 0) or math.isinf(measured) or math.isinf(predicted):
+        return None
+    return math.log(measured / predicted)
+
+
+def weighted_quantile(samples: list[tuple[float, float]], q: float) -> float:
+    """The lower weighted ``q``-quantile of ``(value, weight)`` pairs: the
+    smallest value ``v`` with ``sum(w for x <= v) >= q * sum(w)``.  Pairs of
+    weight <= 0 are ignored; 0.0 when none remain."""
+    pairs = sorted((v, w) for v, w in samples if w > 0)
+    total = sum(w for _, w in pairs)
+    if total <= 0:
+        return 0.0
+    target = q * total
+    acc = 0.0
+    for v, w in pairs:
+        acc += w
+        # Relative slack: sums of float weights must not miss an exact tie.
+        if acc >= target * (1 - 1e-12):
+            return v
+    return pairs[-1][0]
+
+
+@dataclass(frozen=True)
+class ResidualStats:
+    """What one key's window says at a given time (for status pages)."""
+
+    samples: int
+    weight: float
+    median: float
+    quantile: float
+
+
+class ResidualModel:
+    """Windows of residuals keyed cluster / node / (node, load level)."""
+
+    def __init__(self, half_life_s: float = DEFAULT_HALF_LIFE_S,
+                 quantile: float = DEFAULT_ADMIT_QUANTILE,
+                 min_samples: int = MIN_SAMPLES, window: int = WINDOW) -> None:
+        if half_life_s <= 0:
+            raise ValueError("half_life_s must be > 0")
+        if not 0 < quantile < 1:
+            raise ValueError("quantile must be in (0, 1)")
+        if min_samples < 1 or window < min_samples:
+            raise ValueError("need 1 <= min_samples <= window")
+        self.half_life_s = half_life_s
+        self.quantile = quantile
+        self.min_samples = min_samples
+        self.window = window
+        # key -> deque of (time, residual)
+        self._windows: dict[Hashable, deque[tuple[float, float]]] = {}
+        self.prior_skipped = 0
+
+    @staticmethod
+    def chain(node: str | None, level: int | None) -> list[Hashable]:
+        """Keys from most to least specific."""
+        keys: list[Hashable] = []
+        if node is not None:
+            if level is not None:
+                keys.append((node, level))
+            keys.append((node,))
+        keys.append(CLUSTER)
+        return keys
+
+    def add(self, node: str, level: int | None, residual: float, now: float,
+            priced_by_prior: bool = False) -> None:
+        """Record one residual observed at ``now`` for ``node`` at ``level``."""
+        if priced_by_prior:
+            self.prior_skipped += 1
+            return
+        if not math.isfinite(residual):
+            return
+        for key in self.chain(node, level):
+            win = self._windows.get(key)
+            if win is None:
+                win = self._windows[key] = deque(maxlen=self.window)
+            win.append((now, residual))
+
+    def forget_node(self, node: str) -> None:
+        """Drop a node's own windows (its samples stay in the cluster's)."""
+        for key in [k for k in self._windows if k != CLUSTER and k[0] == node]:
+            del self._windows[key]
+
+    def _weighted(self, key: Hashable, now: float) -> list[tuple[float, float]]:
+        win = self._windows.get(key, ())
+        return [(r, 0.5 ** (max(0.0, now - t) / self.half_life_s)) for t, r in win]
+
+    def key_for(self, node: str | None, level: int | None) -> Hashable | None:
+        """The key a query for ``node`` at ``level`` reads; None when not
+        even the cluster's window holds ``min_samples``."""
+        for key in self.chain(node, level):
+            n = len(self._windows.get(key, ()))
+            if n >= self.min_samples:
+                return key
+        return None
+
+    def residual(self, node: str | None, level: int | None, now: float,
+                 q: float | None = None) -> float:
+        """The weighted ``q``-quantile residual (the admission quantile when
+        None) of the key a query for ``node`` at ``level`` reads; 0.0 with
+        no samples."""
+        key = self.key_for(node, level)
+        if key is None:
+            return 0.0
+        return weighted_quantile(self._weighted(key, now), self.quantile if q is None else q)
+
+    def median(self, node: str | None, level: int | None, now: float) -> float:
+        """The weighted median residual: what node choice adds to a prediction."""
+        return self.residual(node, level, now, 0.5)
+
+    def bound(self, node: str | None, level: int | None, now: float) -> float:
+        """The weighted admission-quantile residual: what admission adds."""
+        return self.residual(node, level, now, self.quantile)
+
+    def stats(self, now: float) -> dict[str, ResidualStats]:
+        """Every key's window at ``now``, keyed by a readable name."""
+        out: dict[str, ResidualStats] = {}
+        for key, win in self._windows.items():
+            pairs = self._weighted(key, now)
+            name = "/".join(str(k) for k in key)
+            out[name] = ResidualStats(len(win), sum(w for _, w in pairs),
+                                      weighted_quantile(pairs, 0.5),
+                                      weighted_quantile(pairs, self.quantile))
+        return out

@@ -1,0 +1,191 @@
+"""The residual model: weighted quantiles, ageing, the fallback chain, priors."""
+import math
+
+import pytest
+
+from roles.scheduling.residuals import (CLUSTER, ResidualModel, load_level, log_ratio,
+                                        weighted_quantile)
+
+
+def test_weighted_quantile_equal_weights():
+    s = [(3.0, 1.0), (1.0, 1.0), (4.0, 1.0), (2.0, 1.0)]
+    # cumulative weights 1, 2, 3, 4 of 4 over sorted values 1, 2, 3, 4
+    assert weighted_quantile(s, 0.5) == 2.0      # first with cum >= 2
+    assert weighted_quantile(s, 0.51) == 3.0     # first with cum >= 2.04
+    assert weighted_quantile(s, 0.9) == 4.0      # first with cum >= 3.6
+    assert weighted_quantile(s, 0.25) == 1.0
+
+
+def test_weighted_quantile_uneven_weights_and_empty():
+    s = [(1.0, 1.0), (2.0, 1.0), (10.0, 6.0)]
+    # total 8: the median target 4 is reached only at 10 (cum 1, 2, 8)
+    assert weighted_quantile(s, 0.5) == 10.0
+    assert weighted_quantile(s, 0.25) == 2.0     # target 2 reached at 2
+    assert weighted_quantile([], 0.9) == 0.0
+    assert weighted_quantile([(5.0, 0.0)], 0.5) == 0.0
+
+
+def test_half_life_decay_moves_the_median():
+    m = ResidualModel(half_life_s=10.0, quantile=0.9, min_samples=1)
+    m.add("p0", None, 1.0, now=0.0)
+    m.add("p0", None, 5.0, now=10.0)
+    m.add("p0", None, 5.0, now=10.0)
+    m.add("p0", None, 1.0, now=0.0)
+    # at t=10 weights: 1.0 -> 0.5 each (total 1), 5.0 -> 1 each (total 2):
+    # median target 1.5 > 1, so the median is 5
+    assert m.median("p0", None, now=10.0) == 5.0
+    # at t=0 (no age for the old ones; the new ones are not older than 0)
+    # all weigh 1: cum 1, 2 reaches target 2 at value 1
+    assert m.median("p0", None, now=0.0) == 1.0
+    st = m.stats(now=10.0)["p0"]
+    assert st.samples == 4 and st.weight == pytest.approx(3.0)
+
+
+def test_fallback_chain_cluster_node_level():
+    m = ResidualModel(half_life_s=60.0, quantile=0.9, min_samples=3)
+    assert m.median("a", 1, now=0.0) == 0.0 and m.key_for("a", 1) is None
+    # one sample on node b: the cluster holds 1 (< min): no residual yet
+    m.add("b", 0, 0.5, now=0.0)
+    assert m.key_for("a", 1) is None and m.median("a", 1, now=0.0) == 0.0
+    # node a, level 1: three samples -> its own level key
+    for r in (0.1, 0.2, 0.3):
+        m.add("a", 1, r, now=0.0)
+    assert m.key_for("a", 1) == ("a", 1)
+    assert m.median("a", 1, now=0.0) == 0.2
+    # node a at level 2 has none: falls back to node a (3 samples)
+    assert m.key_for("a", 2) == ("a",)
+    assert m.median("a", 2, now=0.0) == 0.2
+    # node c has none: falls back to the cluster (4 samples 0.1 .. 0.5)
+    assert m.key_for("c", 0) == CLUSTER
+    assert m.median("c", 0, now=0.0) == 0.2     # cum 1, 2 of 4 -> 0.2
+    assert m.bound("c", 0, now=0.0) == 0.5      # target 3.6 -> last
+    m.forget_node("a")
+    assert m.key_for("a", 1) == CLUSTER
+    # the cluster below min_samples: nothing at all
+    few = ResidualModel(half_life_s=60.0, min_samples=3)
+    few.add("a", 0, 1.0, now=0.0)
+    few.add("b", 0, 1.0, now=0.0)
+    assert few.key_for("a", 0) is None and few.bound("a", 0, now=0.0) == 0.0
+
+
+def test_prior_priced_samples_get_no_weight():
+    m = ResidualModel(half_life_s=60.0, quantile=0.9, min_samples=1)
+    m.add("p", 0, 100.0, now=0.0, priced_by_prior=True)
+    assert m.median("p", 0, now=0.0) == 0.0 and m.prior_skipped == 1
+    m.add("p", 0, 0.01, now=0.0)
+    m.add("p", 0, 100.0, now=0.0, priced_by_prior=True)
+    assert m.bound("p", 0, now=0.0) == 0.01
+
+
+def test_window_is_bounded():
+    m = ResidualModel(half_life_s=60.0, min_samples=2, window=4)
+    for i in range(10):
+        m.add("p", None, float(i), now=0.0)
+    assert m.stats(0.0)["p"].samples == 4
+    assert m.median("p", None, now=0.0) == 7.0   # window 6..9, target 2 -> 7
+
+
+def test_tbt_log_ratio_and_levels():
+    assert log_ratio(0.2, 0.1) == pytest.approx(math.log(2))
+    assert log_ratio(0.0, 0.1) is None and log_ratio(0.1, math.inf) is None
+    m = ResidualModel(half_life_s=60.0, quantile=0.9, min_samples=1)
+    m.add("d", None, log_ratio(0.2, 0.1), now=0.0)
+    # predicted 50 ms scaled by exp(q-quantile log-ratio) = 100 ms
+    assert 0.05 * math.exp(m.bound("d", None, 0.0)) == pytest.approx(0.1)
+    assert [load_level(n) for n in (0, 1, 2, 3, 4, 7, 8)] == [0, 1, 2, 2, 3, 3, 4]
+
+
+def test_bad_parameters_rejected():
+    with pytest.raises(ValueError):
+        ResidualModel(half_life_s=0)
+    with pytest.raises(ValueError):
+        ResidualModel(quantile=1.0)
+    with pytest.raises(ValueError):
+        ResidualModel(min_samples=10, window=5)
+
+
+# ---- the residual model inside the Scheduler --------------------------------
+
+from dataclasses import fields  # noqa: E402
+
+from mooncaked.node.sections import ConductorSection  # noqa: E402
+from roles.scheduling import (Rejection, Scheduler, SchedulerConfig, ScheduleRequest,  # noqa: E402
+                              scheduler_config)
+from roles.scheduling.estimators import (DecodeEstimator, PolynomialPrefillEstimator,  # noqa: E402
+                                         TransferEstimator)
+
+BS = 100
+
+
+def sched(**cfg):
+    cfg.setdefault("queue_from_bookings", False)
+    cfg.setdefault("per_node_prefill_fit", False)
+    s = Scheduler(SchedulerConfig(policy="load_balance", kv_bytes_per_token=1000,
+                                  residual_half_life_s=math.inf, residual_min_samples=4, **cfg),
+                  PolynomialPrefillEstimator({"n": 1e-3}), TransferEstimator(1e9),
+                  DecodeEstimator(0.01, 0.0, 0.0))
+    s.add_prefill_node("p0")
+    s.add_decode_node("d0", page_budget=10_000, page_tokens=BS)
+    return s
+
+
+def req(rid, tokens, out=8):
+    return ScheduleRequest(rid, tuple(range(1000, 1000 + -(-tokens // BS))), tokens, BS, out)
+
+
+def finish_missing(s, misses, start=0.0, tbt=None, prior=False):
+    """One request of 100 tokens (0.1 s predicted) per miss, alone in flight,
+    whose first token comes ``miss`` seconds after its prediction."""
+    now = start
+    for i, miss in enumerate(misses):
+        rid = f"m{start}-{i}"
+        d = s.schedule(req(rid, 100), now=now)
+        assert d.predicted_ttft_s == pytest.approx(0.1 + s.ttft_residuals.median("p0", 0, now))
+        s.inflight[rid].priced_by_prior = prior
+        s.on_prefill_finished("p0", rid, now=now + 0.1 + miss, actual_seconds=0.1)
+        s.on_decode_finished("d0", rid, now + 1.0, measured_tbt_s=tbt)
+        now += 10.0
+    return now
+
+
+def test_choice_adds_the_median_and_admission_the_quantile():
+    s = sched(ttft_slo_s=1.0)
+    now = finish_missing(s, [0.1, 0.2, 0.3, 0.4])
+    # median 0.2, 0.9-quantile 0.4: limit = SLO less their spread, 0.8
+    assert s.ttft_admit_limit("p0", now) == pytest.approx(0.8)
+    d = s.schedule(req("ok", 500), now=now)               # 0.5 + 0.4 <= 1.0
+    assert d.predicted_ttft_s == pytest.approx(0.7)
+    s.on_prefill_finished("p0", "ok", now=now, actual_seconds=0.0)
+    s.on_decode_finished("d0", "ok", now)
+    r = s.schedule(req("late", 700), now=now)              # 0.7 + 0.4 > 1.0
+    assert isinstance(r, Rejection) and r.reason == "ttft_slo"
+    assert r.limit_s == pytest.approx(0.8) and r.predicted_ttft_s == pytest.approx(0.9)
+
+
+def test_prior_priced_requests_teach_nothing():
+    s = sched(ttft_slo_s=1.0)
+    now = finish_missing(s, [0.5] * 6, prior=True)
+    assert s.ttft_residuals.key_for("p0", 0) is None
+    assert s.ttft_residuals.prior_skipped == 6
+    assert s.ttft_admit_limit("p0", now) == pytest.approx(1.0)
+
+
+def test_tbt_admission_scales_by_the_quantile_log_ratio():
+    s = sched(ttft_slo_s=30.0, tbt_slo_s=0.015)
+    assert s.tbt_ratio("d0", 0.0) == 1.0
+    now = finish_missing(s, [0.0] * 4, tbt=0.02)           # measured 2x the 0.01 s step
+    assert s.tbt_ratio("d0", now) == pytest.approx(2.0)
+    r = s.schedule(req("x", 100), now=now)
+    assert isinstance(r, Rejection) and r.reason == "tbt_slo"
+    assert r.predicted_tbt_s == pytest.approx(0.02) and r.limit_s == pytest.approx(0.015)
+
+
+def test_the_simulator_runs_the_conductors_configuration():
+    conductor = scheduler_config(ConductorSection())
+    default = SchedulerConfig()
+    # Every field but the policy's parameters (the policy's own defaults) is
+    # the SchedulerConfig default.
+    for f in fields(SchedulerConfig):
+        if f.name != "policy_params":
+            assert getattr(conductor, f.name) == getattr(default, f.name), f.name
+    assert conductor.policy_params == {"kvcache_balancing_threshold": 1.5}

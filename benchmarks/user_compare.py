@@ -68,8 +68,8 @@ run), in SLO of accepted (in both SLOs / requests not answered 429), TTFT
 p50, ITL p90 (aiperf's per-request ITL), the prefix-hit ratio the server's
 counters show, the cached share of prompt tokens in ``usage``, the trace's
 theoretical ratio (an unbounded instant cache over the slice at 32-token
-blocks; in brackets the same in whole 256-token blocks, the block of a
-default ``mooncaked up``, which cannot reuse a shared prefix's last partial
+blocks; in brackets the same in whole blocks of a
+default ``mooncaked up`` (store.block_size), which cannot reuse a shared prefix's last partial
 block), and mooncaked's TTFT mean absolute prediction error over the
 client's TTFT p50.  Writes ``results.json``, ``results.md`` and
 ``results.png`` under ``--out``, aiperf's artifacts under
@@ -100,6 +100,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from aiperf_replay import (AIPERF_PIN, SUMMARY_JSON, aiperf_command, ensure_aiperf,  # noqa: E402
                            run_aiperf, summary_row, tokenizer_hub_cache, write_jsonl)
+from kvstore.config import StoreConfig  # noqa: E402
 from kvstore.keys import TRACE_BLOCK_TOKENS  # noqa: E402
 from mooncaked.benchserve.compare import Target  # noqa: E402
 from mooncaked.benchserve.session import MACHINE_NOTE  # noqa: E402
@@ -174,7 +175,7 @@ def theoretical_hit(records: list[dict[str, Any]], block_tokens: int) -> float:
 
 # Tokens per KV block of a default `mooncaked up` (store.block_size): a cache
 # of whole blocks reuses a shared prefix only up to its last whole block.
-MOONCAKED_BLOCK_TOKENS = 256
+MOONCAKED_BLOCK_TOKENS = StoreConfig().block_size
 
 
 def theoretical_hit_at(records: list[dict[str, Any]], block_tokens: int,
@@ -404,7 +405,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
     out = ["| trace | rate | server | offered req/s | ok/sent | 429 | goodput req/s "
            "| in SLO of accepted | TTFT p50 ms | ITL p90 ms | prefix hits (server) "
-           "| cached (usage) | theoretical (@256) | TTFT MAE / p50 |",
+           f"| cached (usage) | theoretical (@{MOONCAKED_BLOCK_TOKENS}) | TTFT MAE / p50 |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cached = r.get("cached_prompt_pct")

@@ -642,8 +642,9 @@ def register(app: typer.Typer) -> None:
                  "[conductor.ttft_slo_s]."),
         tbt_slo_ms: Optional[float] = typer.Option(
             None, "--tbt-slo-ms", min=0.001,
-            help="Time-between-tokens SLO in ms (default 100), checked the same way against "
-                 "the predicted decode step of the node the request would join "
+            help="Time-between-tokens SLO in ms (default 100): a request's mean interval "
+                 "between tokens (its inter-token latency), checked the same way against the "
+                 "predicted decode step of the node the request would join "
                  "[conductor.tbt_slo_ms]."),
         store_memory: Optional[str] = typer.Option(
             None, "--store-memory",

@@ -80,7 +80,7 @@ class ConductorSection:
     # notices.  The paper's 30 s is for 128k-token prompts on a 70B model;
     # against it nothing is ever refused, and a burst queues for seconds.
     ttft_slo_s: float = 1.0
-    # Time between tokens, in milliseconds, that a request is admitted against the same way.
+    # Time between tokens, in milliseconds, that a request is admitted against the same way: its mean token interval (the inter-token latency vLLM and aiperf report).
     tbt_slo_ms: float = 100.0
     # Fetch a remote prefix only when best_len / local_len exceeds this ratio.
     kvcache_balancing_threshold: float = 1.5

@@ -36,7 +36,6 @@ from mooncaked.node.tasks import cancel_and_wait
 from roles.conductor.cluster import ClusterView
 from roles.conductor.metrics import ConductorMetrics
 from roles.conductor.openai_types import Scheduled, Token
-from roles.scheduling.estimators import paper_tbt
 from roles.scheduling.state import Rejection, ScheduleRequest
 
 log = logging.getLogger("mooncaked.conductor.dispatch")
@@ -468,10 +467,13 @@ class Dispatcher:
                 await self._cancel(decode.url + Route.DECODE_CANCEL, request_id)
             if booked:
                 # A stream that ran to its end measured the decode node's TBT
-                # as the client gets it (its token intervals here), which the
-                # node's TBT ratio learns from.
+                # as the client gets it, which the node's TBT residuals learn
+                # from: the mean of its token intervals (the inter-token
+                # latency vLLM and aiperf score a request by).  The longest
+                # of a short reply's intervals is one stall (a prefill chunk
+                # between decode steps on a colocated node), not its pace.
                 intervals = [b - a for a, b in zip(trace.token_times, trace.token_times[1:])]
-                measured = paper_tbt(intervals) \
+                measured = sum(intervals) / len(intervals) \
                     if stream_done and trace.status == "ok" and intervals else None
                 sched.on_decode_finished(decision.decode_node, request_id, now, measured)
             trace.e2e_s = time.perf_counter() - t0

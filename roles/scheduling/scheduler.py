@@ -383,9 +383,10 @@ class Scheduler(NodeBookings):
 
     def on_decode_finished(self, node: str, request_id: str, now: float,
                            measured_tbt_s: float | None = None) -> None:
-        """The request left decode node ``node``; ``measured_tbt_s``: its TBT
-        as the paper defines it (mean of its longest 10% token intervals), when
-        it streamed to the end, which the TBT residuals learn from."""
+        """The request left decode node ``node``; ``measured_tbt_s``: the mean
+        of its token intervals as the client got them (its inter-token
+        latency), when it streamed to the end, which the TBT residuals learn
+        from."""
         inf = self.inflight.pop(request_id, None)
         if measured_tbt_s is not None and inf is not None \
                 and inf.decision.decode_node == node:

@@ -189,3 +189,22 @@ def test_the_simulator_runs_the_conductors_configuration():
         if f.name != "policy_params":
             assert getattr(conductor, f.name) == getattr(default, f.name), f.name
     assert conductor.policy_params == {"kvcache_balancing_threshold": 1.5}
+
+
+def test_trust_ages_with_the_samples_so_a_refusing_window_cannot_last_for_ever():
+    # Eight residuals of +2 s at t=0 (min_samples 8, half-life 10 s): trusted
+    # then, so admission adds 2 s to every prediction and refuses; refusing
+    # brings no new samples.  Their total weight is 8 x 0.5**(t/10): below 8
+    # as soon as they age, so the node falls back to the cluster's window
+    # (the same samples) and then to the cost model alone (0).
+    m = ResidualModel(half_life_s=10.0, quantile=0.9, min_samples=8)
+    for _ in range(8):
+        m.add("a", 0, 2.0, now=0.0)
+    assert m.bound("a", 0, now=0.0) == 2.0
+    assert m.key_for("a", 0, now=0.0) == ("a", 0)
+    assert m.key_for("a", 0, now=1.0) is None
+    assert m.bound("a", 0, now=1.0) == 0.0
+    # A fresh sample renews trust only once the aged ones plus it weigh 8:
+    # at t=1, 8 x 0.5**0.1 + 1 = 8.46.
+    m.add("a", 0, 0.5, now=1.0)
+    assert m.key_for("a", 0, now=1.0) == ("a", 0)

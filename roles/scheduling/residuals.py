@@ -139,12 +139,25 @@ class ResidualModel:
         win = self._windows.get(key, ())
         return [(r, 0.5 ** (max(0.0, now - t) / self.half_life_s)) for t, r in win]
 
-    def key_for(self, node: str | None, level: int | None) -> Hashable | None:
-        """The key a query for ``node`` at ``level`` reads; None when not
-        even the cluster's window holds ``min_samples``."""
+    def key_for(self, node: str | None, level: int | None,
+                now: float | None = None) -> Hashable | None:
+        """The key a query for ``node`` at ``level`` reads at ``now``: the
+        most specific whose samples, weighted by age, still count as
+        ``min_samples``; None when not even the cluster's do.  (``now``
+        None: every sample counts whole.)
+
+        Trust must age with the samples, not only their relative weights:
+        a window that says "refuse" keeps its quantile however old it gets
+        (the weights all shrink alike), and refusing brings no new samples,
+        so a node would be refused for ever.  Aged below ``min_samples`` it
+        falls back up the chain, and at last to the cost model alone."""
         for key in self.chain(node, level):
-            n = len(self._windows.get(key, ()))
-            if n >= self.min_samples:
+            win = self._windows.get(key, ())
+            if now is None:
+                weight = float(len(win))
+            else:
+                weight = sum(w for _, w in self._weighted(key, now))
+            if weight >= self.min_samples * (1 - 1e-12):
                 return key
         return None
 
@@ -153,7 +166,7 @@ class ResidualModel:
         """The weighted ``q``-quantile residual (the admission quantile when
         None) of the key a query for ``node`` at ``level`` reads; 0.0 with
         no samples."""
-        key = self.key_for(node, level)
+        key = self.key_for(node, level, now)
         if key is None:
             return 0.0
         return weighted_quantile(self._weighted(key, now), self.quantile if q is None else q)

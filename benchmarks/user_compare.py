@@ -106,7 +106,6 @@ from mooncaked.benchserve.compare import Target  # noqa: E402
 from mooncaked.benchserve.session import MACHINE_NOTE  # noqa: E402
 from mooncaked.benchserve.tracegen import TraceGenConfig, generate, write_trace  # noqa: E402
 from mooncaked.benchserve.workload import WARMUP_HASH_OFFSET  # noqa: E402
-from mooncaked.launcher import free_port  # noqa: E402
 from mooncaked.simulate.trace import TraceRequest, theoretical_hit_rate  # noqa: E402
 from prompt_text import BlockText  # noqa: E402
 
@@ -253,51 +252,15 @@ def aiperf_lines(records: list[dict[str, Any]], text: BlockText, rate: float
 def vllm_user_target(python: Path, model_dir: Path, log_path: Path,
                      start_timeout_s: float) -> Target:
     """vLLM's OpenAI server with its defaults plus prefix caching."""
-    import signal
-    import subprocess
+    from vllm_compare import vllm_server_target
 
-    state: dict[str, subprocess.Popen] = {}
-    port = free_port()
     cpus = sorted(os.sched_getaffinity(0))
-
-    def start() -> str:
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)),
-               "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "HF_HUB_OFFLINE": "1",
-               "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB)}
-        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-               "--enable-prefix-caching", "--enable-prompt-tokens-details",
-               "--host", "127.0.0.1", "--port", str(port)]
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with log_path.open("ab") as out:
-            state["proc"] = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                             start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + start_timeout_s
-        while time.monotonic() < deadline:
-            if state["proc"].poll() is not None:
-                raise RuntimeError(f"vLLM exited with {state['proc'].returncode}; see {log_path}")
-            try:
-                with urllib.request.urlopen(url + "/v1/models", timeout=2) as resp:
-                    if resp.status == 200:
-                        return url
-            except OSError:
-                pass
-            time.sleep(1.0)
-        stop()
-        raise RuntimeError(f"vLLM not ready in {start_timeout_s}s; see {log_path}")
-
-    def stop() -> None:
-        proc = state.pop("proc", None)
-        if proc is None or proc.poll() is not None:
-            return
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-    return Target("vllm", "vLLM 0.32.0 CPU: defaults + --enable-prefix-caching", start, stop)
+    env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)),
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "HF_HUB_OFFLINE": "1",
+           "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB)}
+    args = ["--model", str(model_dir), "--enable-prefix-caching", "--enable-prompt-tokens-details"]
+    return vllm_server_target("vllm", "vLLM 0.32.0 CPU: defaults + --enable-prefix-caching",
+                              python, args, env, log_path, start_timeout_s)
 
 
 def server_targets(wanted: list[str], model_dir: Path, args: argparse.Namespace

@@ -123,23 +123,21 @@ def ensure_vllm_venv(venv: Path) -> Path:
 VLLM_KV_CACHE_GIB = 2
 
 
-def vllm_target(python: Path, model_dir: Path, max_model_len: int, log_path: Path,
-                start_timeout_s: float) -> Target:
+def vllm_server_target(name: str, label: str, python: Path, server_args: list[str],
+                       env: dict[str, str], log_path: Path, start_timeout_s: float) -> Target:
+    """vLLM's OpenAI server as a Target: ``server_args`` after ``--model``
+    and before the address; ``env`` added to this process's environment.
+    Started in a session of its own so that stopping it takes its workers."""
     state: dict[str, subprocess.Popen] = {}
     port = free_port()
 
     def start() -> str:
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-               "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "HF_HUB_OFFLINE": "1",
-               "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB)}
-        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-               "--served-model-name", "model", "--enable-prefix-caching", "--dtype", "float32",
-               "--max-model-len", str(max_model_len), "--enable-prompt-tokens-details",
+        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", *server_args,
                "--host", "127.0.0.1", "--port", str(port)]
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("ab") as out:
-            state["proc"] = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                             start_new_session=True)
+            state["proc"] = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out,
+                                             stderr=subprocess.STDOUT, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + start_timeout_s
         while time.monotonic() < deadline:
@@ -166,7 +164,18 @@ def vllm_target(python: Path, model_dir: Path, max_model_len: int, log_path: Pat
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
 
-    return Target("vllm_cpu", "vLLM 0.32.0 CPU, prefix caching, 1 instance", start, stop)
+    return Target(name, label, start, stop)
+
+
+def vllm_target(python: Path, model_dir: Path, max_model_len: int, log_path: Path,
+                start_timeout_s: float) -> Target:
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB)}
+    args = ["--model", str(model_dir), "--served-model-name", "model", "--enable-prefix-caching",
+            "--dtype", "float32", "--max-model-len", str(max_model_len),
+            "--enable-prompt-tokens-details"]
+    return vllm_server_target("vllm_cpu", "vLLM 0.32.0 CPU, prefix caching, 1 instance", python,
+                              args, env, log_path, start_timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -137,9 +137,9 @@ def headline(rate: float, name: str, s: dict[str, Any]) -> dict[str, Any]:
         "sent": s["sent"], "ok": s.get("ok", 0), "rejected": s.get("rejected", 0),
         "accepted": s.get("accepted"),
         "in_slo_of_accepted": s.get("accepted_in_slo") if s.get("accepted") else None,
-        # Per second of offered load (report.py); a summary written before
-        # stop 30 holds the run-time figure there: derived again from the
-        # offered rate and the effective share, which it also holds.
+        # Per second of offered load (report.py); an older summary without
+        # goodput_run_rps holds the run-time figure there: derived again from
+        # the offered rate and the effective share, which it also holds.
         "goodput_rps": s["goodput_rps"] if "goodput_run_rps" in s
         else s["offered_rate_rps"] * s["effective_request_capacity"],
         "effective_request_capacity": s["effective_request_capacity"],
@@ -182,7 +182,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 # A run whose client sent 10% of its requests this late or later is flagged:
 # measured on this machine, a client beside vLLM filling both cores lagged
-# 0.1-1.1 s at p90, against 1-35 ms beside mooncaked (docs/bench.md, stop 29).
+# 0.1-1.1 s at p90, against 1-35 ms beside mooncaked.
 SEND_LAG_WARN_MS = 50.0
 
 

@@ -63,7 +63,7 @@ def test_goodput_counts_effective_requests_per_second_of_offered_load():
         summary = summarize(results, slo)
         assert summary["offered_rate_rps"] == pytest.approx(1.0)     # 4 gaps in 4 s
         assert summary["goodput_rps"] == pytest.approx(1.0)
-    # The run-time figure (until stop 30's definition) differs by the last request's end.
+    # The run-time figure (goodput_run_rps) differs by the last request's end.
     assert summarize(quick, slo)["goodput_run_rps"] == pytest.approx(5 / 4.2)
     assert summarize(slow_last, slo)["goodput_run_rps"] == pytest.approx(5 / 5.8)
     late = quick[:4] + [_served(4, 4.0, 1.5, 1.6)]                     # TTFT over the SLO

@@ -4,7 +4,7 @@ The client measures TTFT and token times on the machine that runs the
 server under test.  A server that keeps every core busy (vLLM's CPU build
 at 2x and 4x a trace's rate) used to delay the client's own sends and reads
 by 0.1-1 s, so that server was offered a lower, burstier load than the
-schedule and its latencies were read late (docs/bench.md, stop 29).  On a
+schedule and its latencies were read late.  On a
 separate host, as in the paper, the client has cores of its own; here it
 gets the next best thing: its own session, hence its own autogroup (the
 kernel shares the cores between autogroups by the group's nice, whatever the

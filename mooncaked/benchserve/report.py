@@ -9,9 +9,9 @@ Definitions (every number is recomputable from ``requests.json``):
   ones included) that finished with TTFT <= ttft_slo_s and TBT <= tbt_slo_ms;
   the paper's figure, also given at its three TBT SLOs (100/200/300 ms).
 - goodput: those effective requests per second of offered load, i.e. the
-  offered rate times the effective share (``goodput_rps``).  Until stop 30 it
-  was per second of run time, first send to the last request's end
-  (``goodput_run_rps``, still reported): that also counted how late the last
+  offered rate times the effective share (``goodput_rps``).  Per second of
+  run time, first send to the last request's end, it is also reported
+  (``goodput_run_rps``), but that also counts how late the last
   request ended, so two servers that both served every request within both
   SLOs differed by the latency of their last one (1-5% on a 4x replay of
   11 s); the SLOs already count latency.

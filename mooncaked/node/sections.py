@@ -146,7 +146,7 @@ class PrefillSection:
     # prefilled together, up to this many tokens per forward pass.  Each of
     # them waits for the whole pass, the head of the queue too: at 4096, a
     # short prompt's first token waited for up to 4k tokens queued behind it,
-    # which no TTFT prediction can see (docs/bench.md, stop 22).
+    # which no TTFT prediction can see.
     batch_tokens: int = 512
     # A request joins a batched pass only while the pass, as the conductor
     # predicted its members' compute, still ends before every earlier

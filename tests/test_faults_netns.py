@@ -38,7 +38,7 @@ MODEL = "dummy"
 TRANSFER_PORT = 9000
 # Long prefills on purpose (a fault must strike mid-prefill), so a TTFT SLO
 # they fit in: at the interactive default they would be refused up front.
-OVERRIDES = ["conductor.ttft_slo_s=120", "store.capacity_bytes=134217728", "store.block_size=16", "model.prefill_chunk=256",
+OVERRIDES = ["conductor.ttft_slo_s=120", "conductor.tbt_slo_ms=10000", "store.capacity_bytes=134217728", "store.block_size=16", "model.prefill_chunk=256",
              "node.heartbeat_interval_s=0.2", "node.heartbeat_timeout_s=1.5",
              "decode.reservation_timeout_s=5", "transfer.user_timeout_ms=1000",
              "transfer.stall_timeout_s=2", "transfer.connect_timeout_s=1",

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mooncaked.launcher import LocalCluster  # noqa: E402
+from mooncaked.local_cluster import LocalCluster  # noqa: E402
 from roles.scheduling.estimators import (FlopsPrefillEstimator, ModelShape,  # noqa: E402
                                          PipelinePrefillEstimator)
 from tests.nodes import get_json, post_json  # noqa: E402

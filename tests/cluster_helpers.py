@@ -15,7 +15,7 @@ from kvstore.layout import PageLayout
 from model.config import RuntimeConfig, page_layout
 from model.runner import DecodeSeq, ModelRunner, kv_pages_view
 from model.weights import load_weights
-from mooncaked.launcher import LocalCluster
+from mooncaked.local_cluster import LocalCluster
 from tests.nodes import get_json, post_json
 
 TINY = ["store.capacity_bytes=16777216", "store.block_size=16", "model.prefill_chunk=32",

@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # the fixtures import what they need when first used
     import typer
 
     from model.weights import ModelWeights
-    from mooncaked.launcher import LocalCluster
+    from mooncaked.local_cluster import LocalCluster
 
 # A trace file whose first line is rejected (600 input tokens, one hash id).
 BAD_TRACE_LINE = '{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}\n'

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mooncaked.launcher import Child, LocalCluster, http_json, mooncaked_cmd
+from mooncaked.local_cluster import Child, LocalCluster, http_json, mooncaked_cmd
 from tests.paths import REPO
 
 # What must be back to zero on every worker once a fault is over.

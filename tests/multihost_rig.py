@@ -49,7 +49,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from mooncaked.etcd_process import find_etcd
-from mooncaked.launcher import http_json, mooncaked_cmd
+from mooncaked.local_cluster import http_json, mooncaked_cmd
 from tests.fault_rig import (Host, NetnsRig, NsChild, enter_netns, netns_unusable,
                              wait_nothing_left, wait_ns_ready)
 from tests.paths import REPO

@@ -1,6 +1,6 @@
 """Test helpers: run real mooncaked node processes on loopback ports.
 
-The processes are the launcher's (`mooncaked.launcher.spawn`/`Child`); this
+The processes are `mooncaked.local_cluster`'s (`spawn`/`Child`); this
 module only adds the flags and waits the tests share."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from mooncaked.launcher import Child, free_port, http_json, mooncaked_cmd, spawn
+from mooncaked.local_cluster import Child, free_port, http_json, mooncaked_cmd, spawn
 from tests.paths import REPO
 
 __all__ = ["FAST", "REPO", "SMALL", "Child", "free_port", "get_json", "mooncaked_cmd", "peers",

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from mooncaked.etcd_process import find_etcd
-from mooncaked.launcher import http_json, mooncaked_cmd
+from mooncaked.local_cluster import http_json, mooncaked_cmd
 from mooncaked.node.config import SECTIONS, NodeConfig, load_config
 from tests.paths import REPO
 

@@ -257,7 +257,7 @@ async def test_no_etcd_at_all_is_reported_not_raised(tmp_path):
 async def test_status_says_campaigning_until_the_first_round_ends_then_unreachable():
     """A conductor just started has not failed to reach etcd yet: its status
     says "campaigning", not "etcd_unreachable", until its first round ends."""
-    from mooncaked.launcher import free_port
+    from mooncaked.local_cluster import free_port
 
     dead = EtcdSection(endpoints=[f"127.0.0.1:{free_port()}"], lease_ttl_s=TTL, cluster="t",
                        request_timeout_s=0.3)

@@ -19,7 +19,7 @@ import urllib.request
 import pytest
 
 from mooncaked.etcd_process import find_etcd
-from mooncaked.launcher import LocalCluster
+from mooncaked.local_cluster import LocalCluster
 from tests.cluster_helpers import TINY, complete, stream_lines, tokens
 from tests.nodes import get_json, wait_until
 

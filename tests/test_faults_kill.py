@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from mooncaked.launcher import LocalCluster
+from mooncaked.local_cluster import LocalCluster
 from tests.cluster_helpers import ADMIN, complete, start_cluster, stream_lines, tokens, trace_of
 from tests.fault_rig import (node_pid, reference, report, supervised, wait_nothing_left,
                              worker_urls)

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from mooncaked.launcher import free_port
+from mooncaked.local_cluster import free_port
 from mooncaked.node.membership import ConductorUnreachable, MembershipClient, NodeRegistry
 
 

@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from model.sampling import SamplingParams
-from mooncaked.launcher import free_port
+from mooncaked.local_cluster import free_port
 from mooncaked.node.config import NodeConfig
 from mooncaked.node.context import NodeContext
 from mooncaked.node.internal_client import InternalCallError, InternalClient

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from mooncaked.launcher import free_port, spawn
+from mooncaked.local_cluster import free_port, spawn
 from mooncaked.placement import (CONDUCTOR, DECODE, PREFILL, default_prefill_nodes, format_cpus,
                                  parse_cpus, place)
 from tests.nodes import wait_until

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 from mooncaked import process_setup
-from mooncaked.launcher import spawn
+from mooncaked.local_cluster import spawn
 
 # A probe run in place of the node: prints what the node would inherit.
 PROBE = """

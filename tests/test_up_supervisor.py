@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from mooncaked.launcher import Child, LocalCluster, NodeExited
+from mooncaked.local_cluster import Child, LocalCluster, NodeExited
 from mooncaked.supervisor import CrashLoop
 from tests.cluster_helpers import ADMIN, complete, reference_greedy, tokens, trace_of
 from tests.fault_rig import node_pid, supervised
@@ -280,7 +280,7 @@ def test_a_port_is_handed_out_once_though_the_kernel_offers_it_again(monkeypatch
     """The kernel offers a port that is free now; the node it is meant for
     binds it only once started, so the next node may be offered the same
     one.  Two nodes of one cluster must never be told the same port."""
-    from mooncaked import launcher
+    from mooncaked import local_cluster
     offered = iter([47001, 47001, 47001, 47002])
 
     class Offering:  # what bind(port 0) would answer, scripted
@@ -296,9 +296,9 @@ def test_a_port_is_handed_out_once_though_the_kernel_offers_it_again(monkeypatch
         def getsockname(self):
             return ("127.0.0.1", self.port)
 
-    monkeypatch.setattr(launcher.socket, "socket", Offering)
-    monkeypatch.setattr(launcher, "_handed_out", set(), raising=False)
-    assert [launcher.free_port(), launcher.free_port()] == [47001, 47002]
+    monkeypatch.setattr(local_cluster.socket, "socket", Offering)
+    monkeypatch.setattr(local_cluster, "_handed_out", set(), raising=False)
+    assert [local_cluster.free_port(), local_cluster.free_port()] == [47001, 47002]
 
 
 @pytest.mark.slow  # a `mooncaked up` process beside a busy process

@@ -88,7 +88,7 @@ class Target:
 
 def cluster_target(name: str, shape: ClusterShape, log_dir: Optional[Path] = None) -> Target:
     """A preset as a Target; every start() launches a fresh cluster (cold caches)."""
-    from mooncaked.launcher import LocalCluster
+    from mooncaked.local_cluster import LocalCluster
 
     if name not in PRESETS:
         raise ValueError(f"configs: unknown configuration {name!r} "

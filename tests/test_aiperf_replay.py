@@ -193,3 +193,47 @@ def test_aiperf_replays_a_trace_against_mooncaked_up_unchanged(tmp_path):
     assert [by_isl[n]["usage_completion_tokens"]["value"] for n in (128, 19, 125)] == [5, 8, 6]
     assert by_isl[128]["usage_prompt_cache_read_tokens"]["value"] == 0
     assert by_isl[125]["usage_prompt_cache_read_tokens"]["value"] >= 2 * 32, by_isl[125]
+
+
+@pytest.mark.slow
+@needs_aiperf
+def test_aiperf_min_tokens_gets_the_output_lengths_asked_for(tmp_path):
+    """``--extra-inputs min_tokens:N``, as aiperf suggests for exact output
+    lengths, runs unchanged against `mooncaked up`: every request generates
+    exactly the N tokens asked for.  EOS is pushed to the top with a
+    logit_bias, so without min_tokens each answer would end at once; the
+    lengths come from min_tokens holding EOS off.  ~1 min: a cluster start
+    and one aiperf start."""
+    from rate_sweep import up_target
+    from vllm_compare import build_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    build_checkpoint(ckpt, vocab=512, seed=0)  # EOS is token 1
+    hub = tmp_path / "hf-hub"
+    aiperf_replay.tokenizer_hub_cache(ckpt, hub, "mooncaked/ckpt")
+    env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1"}
+    output_tokens = 6
+    target = up_target(ckpt, ["--prefill", "1", "--decode", "1", "--ttft-slo-s", "120",
+                              "--tbt-slo-ms", "60000"], tmp_path / "up", start_timeout_s=180)
+    url = target.start()
+    try:
+        artifacts = tmp_path / "aiperf"
+        cmd = [str(AIPERF_VENV / "bin" / "aiperf"), "profile",
+               "--model", "model", "--tokenizer", "mooncaked/ckpt", "--url", url,
+               "--endpoint-type", "completions", "--streaming",
+               "--synthetic-input-tokens-mean", "40", "--synthetic-input-tokens-stddev", "0",
+               "--output-tokens-mean", str(output_tokens), "--output-tokens-stddev", "0",
+               "--extra-inputs", f"min_tokens:{output_tokens}",
+               "--extra-inputs", json.dumps({"temperature": 0, "logit_bias": {"1": 100}}),
+               "--request-count", "3", "--concurrency", "1", "--use-server-token-count",
+               "--request-timeout-seconds", "120", "--random-seed", "0",
+               "--artifact-dir", str(artifacts),
+               "--ui-type", "none", "--no-server-metrics", "--no-gpu-telemetry"]
+        aiperf_replay.run_aiperf(cmd, env, artifacts / "aiperf.log", timeout_s=600)
+    finally:
+        target.stop()
+    records = [json.loads(line) for line in (artifacts / "profile_export.jsonl").open()]
+    assert len(records) == 3, records
+    assert [r["metrics"]["usage_completion_tokens"]["value"] for r in records] == \
+        [output_tokens] * 3

@@ -341,11 +341,11 @@ async def test_every_token_streams_as_it_is_generated_even_inside_a_character(ap
 
 
 async def test_logprobs_and_echo(api):
-    _, data = await post(api, "/v1/completions", _base(prompt="abc", max_tokens=6, logprobs=1,
-                                                       echo=True))
-    choice = data["choices"][0]
-    lp = choice["logprobs"]
-    assert choice["text"].startswith("abc")
+    _, data = await post(api, "/v1/completions", _base(prompt="abc", max_tokens=6, echo=True))
+    assert data["choices"][0]["text"].startswith("abc")
+    assert data["choices"][0]["logprobs"] is None
+    _, data = await post(api, "/v1/completions", _base(prompt="abc", max_tokens=6, logprobs=1))
+    lp = data["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 6
     assert all(x <= 0 for x in lp["token_logprobs"])
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
@@ -453,6 +453,13 @@ ERRORS = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "echo": True}, 400, "echo"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 50}, 400, "logprobs"),
+    # Only the chosen token's logprob is computed: no top-k alternatives, no
+    # prompt logprobs (which echo with logprobs asks for).
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 5}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 0, "echo": True}, 400,
+     "echo"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "logprobs": True, "top_logprobs": 5}, 400, "top_logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "stream_options": {}}, 400,
      "stream_options"),
     ("/v1/completions", {"model": MODEL, "prompt": ["a"] * 9}, 400, "prompt"),

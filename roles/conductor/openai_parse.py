@@ -230,6 +230,19 @@ class _Options:
     n: int = 1  # choices per prompt
 
 
+# Alternatives per token a logprobs list can hold: the node that samples
+# sends only the chosen token's logprob, so a top-k list of k > 1 would
+# silently hold one entry.
+SERVED_TOP_LOGPROBS = 1
+
+
+def _served_logprobs(k: int | None, name: str) -> None:
+    if k is not None and k > SERVED_TOP_LOGPROBS:
+        raise ApiError(400, f"'{name}' above {SERVED_TOP_LOGPROBS} is not served: only the "
+                       f"chosen token's logprob is computed (got {k})", param=name,
+                       code="unsupported_value")
+
+
 def _stop_strings(body: dict) -> list[str]:
     stop = body.get("stop")
     if stop is None:
@@ -266,9 +279,17 @@ def _options(body: dict, backend: GenerationBackend, limits: ApiLimits, chat: bo
                            code="invalid_value")
         logprobs = (top or 0) if want else None
         echo = False
+        _served_logprobs(top, "top_logprobs")
     else:
         logprobs = get_int(body, "logprobs", lo=0, hi=limits.max_logprobs)
         echo = bool(get_bool(body, "echo"))
+        _served_logprobs(logprobs, "logprobs")
+        if echo and logprobs is not None:
+            # vLLM answers with the prompt tokens' logprobs first; a list
+            # that silently lacks them would misalign with the echoed text.
+            raise ApiError(400, "'echo' with 'logprobs' needs the prompt tokens' logprobs, "
+                           "which are not computed: send one of them", param="echo",
+                           code="unsupported_value")
     top_k = get_int(body, "top_k", lo=-1)
     stop_ids = body.get("stop_token_ids")  # vLLM extension
     if stop_ids is not None:

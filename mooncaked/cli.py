@@ -66,6 +66,12 @@ def node(
         help="DRAM of this node's KV store shard: a fraction of the machine's available "
              "memory (0.25) or bytes (2GiB, 512M); refused when the machine cannot give it "
              "[store.capacity_bytes, default 256 MiB for a node started on its own]."),
+    engines: list[str] = typer.Option(
+        [], "--engine", metavar="URL",
+        help="Conductor: an OpenAI-compatible engine (vLLM) to route requests to instead of "
+             "this cluster's own nodes, URL[,events=tcp://HOST:PORT] (repeatable; its KV events "
+             "are found at URL/kv_event_sources unless given) [conductor.engines]. "
+             "See docs/engines.md."),
     overrides: list[str] = typer.Option(
         [], "--set", help="Override any config key: --set store.block_size=128 (repeatable)."),
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
@@ -102,6 +108,7 @@ def node(
             "model.model": model,
             "conductor.served_model_name": served_model_name,
             "conductor.ttft_slo_s": ttft_slo_s, "conductor.tbt_slo_ms": tbt_slo_ms,
+            "conductor.engines": engines or None,
             "store.capacity_bytes": capacity_bytes})
     except ConfigError as exc:
         raise fail(str(exc)) from None

@@ -123,6 +123,9 @@ def test_predicted_slo_miss_is_rejected_with_429(local_cluster):
     assert err.value.code == 429 and int(err.value.headers["Retry-After"]) >= 1
     with urllib.request.urlopen(strict.url + "/metrics", timeout=10) as resp:
         assert 'mooncaked_rejections_total{reason="ttft_slo"} 2.0' in resp.read().decode()
+    # The conductor's log says what it refused and why, as the client was told.
+    log = (strict.log_dir / "conductor.log").read_text()
+    assert log.count(" 429 rejected (ttft_slo): predicted TTFT ") == 2
 
 
 def test_operator_replicates_a_prefix_to_more_nodes(mooncake):

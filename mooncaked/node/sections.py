@@ -116,8 +116,24 @@ class ConductorSection:
     # Residuals a node (or a node at one load level) needs before its own are
     # used instead of those of the level above it (node, then the cluster).
     residual_min_samples: int = 8
+    # OpenAI-compatible engines (vLLM) that serve the OpenAI routes instead of
+    # this cluster's own nodes, each
+    # "URL[,events=tcp://HOST:PORT][,replay=tcp://HOST:PORT][,block_size=N]";
+    # their KV events are found at URL/kv_event_sources unless given (docs/engines.md).
+    engines: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        # A comma-separated value (env, --set) splits an entry's options off: rejoin them.
+        engines: list[str] = []
+        for item in (e.strip() for e in self.engines):
+            if engines and item and not item.startswith(("http://", "https://")):
+                engines[-1] += "," + item
+            elif item:
+                engines.append(item)
+        if any(not e.startswith(("http://", "https://")) for e in engines):
+            raise ValueError(f"conductor.engines: each entry starts with an http(s) URL; "
+                             f"got {engines}")
+        self.engines = engines
         if self.residual_half_life_s <= 0:
             raise ValueError("conductor.residual_half_life_s must be > 0")
         if not 0 < self.admit_quantile < 1:

@@ -160,9 +160,10 @@ def setup_conductor(app: web.Application, ctx: NodeContext) -> None:
 
     app.cleanup_ctx.append(dispatcher_ctx)
     c = cfg.conductor
-    add_openai_routes(app, OPENAI_BACKEND, ApiLimits(
-        max_prompt_tokens=c.max_prompt_tokens, max_request_bytes=c.max_request_bytes,
-        max_tokens_default=c.max_tokens_default))
+    if not c.engines:   # with engines, they answer the OpenAI routes (below)
+        add_openai_routes(app, OPENAI_BACKEND, ApiLimits(
+            max_prompt_tokens=c.max_prompt_tokens, max_request_bytes=c.max_request_bytes,
+            max_tokens_default=c.max_tokens_default))
     add_cache_routes(app)
     app.router.add_get("/admin/requests", list_requests)
     app.router.add_get("/admin/requests/{request_id}", get_request)
@@ -171,6 +172,9 @@ def setup_conductor(app: web.Application, ctx: NodeContext) -> None:
     # External engines' KV events and Mooncake's Indexer API (roles.engines).
     app.cleanup_ctx.append(engines_ctx(cfg.store.hash_seed))
     add_indexer_routes(app)
+    if c.engines:
+        from roles.engines.proxy import setup_engine_proxy
+        setup_engine_proxy(app, ctx, cluster.scheduler.prefill_est, cluster.scheduler.decode_est)
 
     def nodes_status() -> list[dict]:
         now = time.monotonic()

@@ -57,23 +57,6 @@ MAX_PREFILL_ATTEMPTS = 3
 PREFILL_REPLY_ALLOWANCE_S = 0.002
 
 
-def _rejection_message(rejection: Rejection) -> str:
-    """What a client is told when it is refused: the prediction and the limit
-    it exceeded (the SLO less the spread between the admission quantile and
-    the median of its node's TTFT residuals), so a 429 under light load can be told apart from one
-    under overload."""
-    ttft, tbt = rejection.predicted_ttft_s, rejection.predicted_tbt_s * 1000
-    if rejection.reason == "ttft_slo":
-        what = (f"predicted TTFT {ttft:.3g}s over the admit limit {rejection.limit_s:.3g}s, "
-                f"TBT {tbt:.3g}ms")
-    elif rejection.reason == "tbt_slo":
-        what = (f"predicted TTFT {ttft:.3g}s, TBT {tbt:.3g}ms over the admit limit "
-                f"{rejection.limit_s * 1000:.3g}ms")
-    else:
-        what = f"predicted TTFT {ttft:.3g}s, TBT {tbt:.3g}ms"
-    return f"rejected ({rejection.reason}): {what}; retry later"
-
-
 class PrefillRefused(ApiError):
     """The prefill node refused the connection (``maybe_started`` False: no
     byte of the request reached it) or dropped it before answering
@@ -308,7 +291,10 @@ class Dispatcher:
             self.metrics.rejected(decision.reason)
             retry = max(1, int(decision.retry_after_s + 0.999))
             status = 503 if decision.reason.startswith("no_") else 429
-            raise ApiError(status, _rejection_message(decision), code=decision.reason,
+            message = decision.message()
+            log.info("%s %d %s (%d prompt tokens, max_tokens %d)", request_id, status, message,
+                     len(token_ids), sampling.max_tokens)
+            raise ApiError(status, message, code=decision.reason,
                            headers={"Retry-After": str(retry)})
         prefill, stage_urls = cluster.prefill_target(decision.prefill_node)
         decode = cluster.registry.get(decision.decode_node)

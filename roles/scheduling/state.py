@@ -358,3 +358,20 @@ class Rejection(NamedTuple):
     # prefill node for "ttft_slo", the TBT limit for "tbt_slo"); inf when no
     # prediction was compared with one.
     limit_s: float = math.inf
+
+    def message(self) -> str:
+        """What a client is told: the prediction and the limit it exceeded
+        (an admit limit is the SLO less the spread the residual model adds),
+        so a 429 under light load can be told apart from one under overload."""
+        ttft, tbt = self.predicted_ttft_s, self.predicted_tbt_s * 1000
+        if self.reason == "ttft_slo":
+            what = (f"predicted TTFT {ttft:.3g}s over the admit limit {self.limit_s:.3g}s, "
+                    f"TBT {tbt:.3g}ms")
+        elif self.reason == "tbt_slo":
+            what = (f"predicted TTFT {ttft:.3g}s, TBT {tbt:.3g}ms over the admit limit "
+                    f"{self.limit_s * 1000:.3g}ms")
+        elif math.isinf(ttft):
+            what = f"no {self.reason[3:].replace('_', ' ')}"
+        else:
+            what = f"predicted TTFT {ttft:.3g}s, TBT {tbt:.3g}ms"
+        return f"rejected ({self.reason}): {what}; retry later"

@@ -1,0 +1,345 @@
+"""The conductor's OpenAI routes in front of engines (roles/engines/{fleet,proxy}.py).
+
+The engines are tests/fixtures/fake_engine.py (real HTTP and real ZMQ KV
+events on loopback): in process for the fast tests, as processes killed
+with SIGKILL for the slow one.  The conductor is the real proxy wiring
+(setup_engine_proxy) in an aiohttp test server.  Waits poll a condition
+under a deadline; nothing asserts on timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from fixtures.fake_engine import FakeEngine, make_app
+from mooncaked.node.config import load_config
+from mooncaked.node.context import NodeContext
+from mooncaked.node.errors import error_middleware
+from roles.engines.fleet import EngineFleet, EngineSpec, EngineSpecError, parse_metrics
+from roles.engines.indexer_api import add_indexer_routes, engines_ctx
+from roles.engines.proxy import ENGINE_PROXY, setup_engine_proxy
+from roles.engines.registry import EngineRegistry
+from roles.scheduling.config import SchedulerConfig
+from roles.scheduling.engines import EngineScheduler
+from roles.scheduling.estimators import DecodeEstimator, PolynomialPrefillEstimator
+
+FAKE_ENGINE = Path(__file__).resolve().parent / "fixtures" / "fake_engine.py"
+
+
+@dataclass
+class InProcessEngine:
+    server: TestServer
+    url: str = ""
+
+    def __post_init__(self) -> None:
+        self.url = str(self.server.make_url("")).rstrip("/")
+
+    @property
+    def name(self) -> str:
+        return self.url.removeprefix("http://")
+
+
+class EngineProcess:
+    def __init__(self, token_s: float = 0.005) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(FAKE_ENGINE), "--token-s", str(token_s)],
+                                     stdout=subprocess.PIPE, start_new_session=True, text=True)
+        line = self.proc.stdout.readline()
+        assert line.startswith("READY "), line
+        self.url = f"http://127.0.0.1:{int(line.split()[1])}"
+        self.name = self.url.removeprefix("http://")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+@pytest.fixture
+async def engines():
+    made: list[InProcessEngine] = []
+
+    async def start(n: int = 2, token_s: float = 0.005) -> list[InProcessEngine]:
+        for _ in range(n):
+            server = TestServer(make_app(FakeEngine("model", 4, token_s)))
+            await server.start_server()
+            made.append(InProcessEngine(server))
+        return made[-n:]
+
+    yield start
+    for e in made:
+        await e.server.close()
+
+
+@pytest.fixture
+def engine_processes():
+    made: list[EngineProcess] = []
+
+    def start(n: int = 2, token_s: float = 0.005) -> list[EngineProcess]:
+        made.extend(EngineProcess(token_s) for _ in range(n))
+        return made[-n:]
+
+    yield start
+    for e in made:
+        e.kill()
+
+
+async def until(cond, what: str, deadline_s: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
+    while not await cond():
+        if loop.time() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def conductor(urls: list[str], **conductor_keys) -> TestClient:
+    cfg = load_config(env={}, flags={"conductor.engines": urls, **{
+        f"conductor.{k}": v for k, v in conductor_keys.items()}})
+    app = web.Application(middlewares=[error_middleware])
+    app.cleanup_ctx.append(engines_ctx(hash_seed=7))
+    add_indexer_routes(app)
+    setup_engine_proxy(app, NodeContext(config=cfg),
+                       PolynomialPrefillEstimator({"c0": 0.001, "n": 1e-5}),
+                       DecodeEstimator(0.001, 0.0, 0.0))
+    client = TestClient(TestServer(app))
+    await client.start_server()
+
+    async def all_up() -> bool:
+        return len(app[ENGINE_PROXY].fleet.live()) == len(urls)
+
+    await until(all_up, "every engine up")
+    return client
+
+
+async def sse(resp: aiohttp.ClientResponse) -> list:
+    """The data of each SSE event, JSON-decoded ("[DONE]" kept as is)."""
+    out = []
+    async for line in resp.content:
+        if line.startswith(b"data: "):
+            data = line[6:].strip()
+            out.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return out
+
+
+def test_engine_specs_and_metrics_parse():
+    spec = EngineSpec.parse("http://h:8000/,events=tcp://h:5557,block_size=16")
+    assert (spec.url, spec.events, spec.block_size, spec.name) == \
+        ("http://h:8000", "tcp://h:5557", 16, "h:8000")
+    for bad in ("h:8000", "http://h:1,events=h:2", "http://h:1,replay=tcp://h:2",
+                "http://h:1,color=red"):
+        with pytest.raises(EngineSpecError):
+            EngineSpec.parse(bad)
+    # A comma-separated --set / env value is split by the config loader; the section rejoins it.
+    cfg = load_config(env={},
+                      overrides=["conductor.engines=http://a:1,events=tcp://a:2,http://b:1"])
+    assert cfg.conductor.engines == ["http://a:1,events=tcp://a:2", "http://b:1"]
+    m = parse_metrics('# HELP x\nvllm:num_requests_running{engine="0"} 2.0\n'
+                      'vllm:num_requests_running{engine="1"} 1.0\n'
+                      'vllm:num_requests_waiting{engine="0"} 3.0\n'
+                      'vllm:kv_cache_usage_perc{engine="0"} 0.25\n'
+                      'vllm:cache_config_info{_block_size_resolved="True",block_size="128"} 1.0\n')
+    assert (m.running, m.waiting, m.kv_usage, m.block_size) == (3, 3, 0.25, 128)
+
+
+async def test_streams_pass_through_and_the_prefix_holder_is_chosen(engines):
+    a, b = await engines(2)
+    client = await conductor([a.url, b.url])
+    try:
+        models = await (await client.get("/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == ["model"]
+        shared = "the system prompt every request of this tenant starts with. "
+        # Served by b directly: only b's KV events tell the conductor it holds the prefix.
+        async with aiohttp.ClientSession() as s:
+            async with s.post(b.url + "/v1/completions",
+                              json={"model": "model", "prompt": shared, "max_tokens": 1}) as r:
+                assert r.status == 200
+        proxy = client.app[ENGINE_PROXY]
+
+        async def b_holds_it() -> bool:
+            hits = proxy.fleet.registry.index.prefix_tokens_per_instance(
+                list(shared.encode()), "model")
+            return hits.get(b.name, 0) >= len(shared) // 4 * 4
+
+        await until(b_holds_it, "b's KV events indexed")
+        resp = await client.post("/v1/completions", json={
+            "model": "model", "prompt": shared + "question one", "max_tokens": 5, "stream": True})
+        assert resp.status == 200 and resp.headers["x-mooncaked-engine"] == b.name
+        assert int(resp.headers["x-mooncaked-cached-tokens"]) == len(shared) // 4 * 4
+        events = await sse(resp)
+        assert events[-1] == "[DONE]"
+        assert "".join(c["text"] for e in events[:-1] if e != "[DONE]"
+                       for c in e["choices"]) == "t0 t1 t2 t3 t4 "
+        assert events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == len(shared) // 4 * 4
+        # A whole (non-streamed) chat answer comes back as the engine's JSON.
+        resp = await client.post("/v1/chat/completions", json={
+            "model": "model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert resp.status == 200
+        body = await resp.json()
+        assert body["choices"][0]["message"]["content"] == "t0 t1 t2 "
+        # The scheduler learned from the stream: a first token and a finish.
+        status = proxy.scheduler.status(0.0)
+        assert status["ttft_error"]["count"] == 1
+        assert all(e["booked"] == 0 and e["decoding"] == 0 for e in status["engines"].values())
+    finally:
+        await client.close()
+
+
+async def test_refusals_and_engine_errors_are_openai_errors(engines):
+    (a,) = await engines(1)
+    client = await conductor([a.url], ttft_slo_s=0.001)
+    try:
+        resp = await client.post("/v1/completions", json={
+            "model": "model", "prompt": "x" * 400, "max_tokens": 2})
+        assert resp.status == 429 and int(resp.headers["Retry-After"]) >= 1
+        err = (await resp.json())["error"]
+        assert err["code"] == "ttft_slo" and "admit limit" in err["message"]
+        resp = await client.post("/v1/completions", json={"model": "other", "prompt": "x"})
+        assert resp.status == 404 and (await resp.json())["error"]["param"] == "model"
+    finally:
+        await client.close()
+    client = await conductor([a.url])
+    try:
+        resp = await client.post("/v1/completions", json={
+            "model": "model", "prompt": "x", "max_tokens": 5000})
+        assert resp.status == 400
+        err = (await resp.json())["error"]
+        assert err["message"] == "max_tokens is too large" and err["param"] == "max_tokens"
+    finally:
+        await client.close()
+
+
+async def test_a_client_leaving_cancels_the_engines_request(engines):
+    (a,) = await engines(1, token_s=0.05)
+    client = await conductor([a.url])
+    try:
+        resp = await client.post("/v1/completions", json={
+            "model": "model", "prompt": "abcdefgh", "max_tokens": 500, "stream": True})
+        await resp.content.readline()
+        resp.close()   # the client goes away mid-stream
+
+        async def engine_saw_abort() -> bool:
+            async with aiohttp.ClientSession() as s:
+                async with s.get(a.url + "/debug/aborted") as r:
+                    return (await r.json())["aborted"] == 1
+
+        await until(engine_saw_abort, "the engine's request aborted")
+        sched = client.app[ENGINE_PROXY].scheduler
+
+        async def released() -> bool:
+            return not sched.engines[a.name].requests
+
+        await until(released, "the booking released")
+    finally:
+        await client.close()
+
+
+@pytest.mark.slow
+async def test_an_engine_killed_mid_stream_gives_a_clear_error_and_the_next_goes_elsewhere(
+        engine_processes):
+    a, b = engine_processes(2, token_s=0.05)
+    client = await conductor([a.url, b.url])
+    try:
+        resp = await client.post("/v1/completions", json={
+            "model": "model", "prompt": "a long answer, please", "max_tokens": 500,
+            "stream": True})
+        assert resp.status == 200
+        victim = a if resp.headers["x-mooncaked-engine"] == a.name else b
+        other = b if victim is a else a
+        first = await resp.content.readline()
+        assert first.startswith(b"data: ")
+        victim.kill()
+        events = await sse(resp)
+        assert events[-1] == "[DONE]"
+        error = events[-2]["error"]
+        assert error["code"] == "engine_failed" and victim.name in error["message"]
+        assert not client.app[ENGINE_PROXY].fleet.engines[victim.name].alive
+        for _ in range(3):
+            resp = await client.post("/v1/completions", json={
+                "model": "model", "prompt": "next", "max_tokens": 2})
+            assert resp.status == 200 and resp.headers["x-mooncaked-engine"] == other.name
+    finally:
+        await client.close()
+
+
+async def test_a_client_leaving_a_whole_answer_releases_its_booking(engines):
+    (a,) = await engines(1, token_s=0.05)
+    client = await conductor([a.url])
+    try:
+        sched = client.app[ENGINE_PROXY].scheduler
+        call = asyncio.ensure_future(client.post("/v1/completions", json={
+            "model": "model", "prompt": "abcdefgh", "max_tokens": 500}))
+
+        async def booked() -> bool:
+            return bool(sched.engines[a.name].requests)
+
+        await until(booked, "the request booked")
+        call.cancel()   # the client goes away before the answer
+        await asyncio.gather(call, return_exceptions=True)
+
+        async def released() -> bool:
+            return not sched.engines[a.name].requests
+
+        await until(released, "the booking released")
+    finally:
+        await client.close()
+
+
+async def test_a_restarted_engine_comes_back_without_its_old_blocks(engines):
+    """Refused: dead at once, its blocks leave the index; answering again
+    (a new process on the same port, a new event stream): registered afresh."""
+    (a,) = await engines(1)
+    registry = EngineRegistry(hash_seed=7)
+    scheduler = EngineScheduler(SchedulerConfig(), PolynomialPrefillEstimator({"n": 1e-5}),
+                                DecodeEstimator(0.001, 0.0, 0.0))
+    async with aiohttp.ClientSession() as session:
+        fleet = EngineFleet([EngineSpec.parse(a.url)], registry, scheduler, session,
+                            poll_s=0.02, retry_s=0.02)
+        fleet.start()
+        try:
+            engine = fleet.engines[a.name]
+
+            async def up() -> bool:
+                return engine.alive
+
+            await until(up, "the engine up")
+            tokens = list(b"0123456789abcdef")
+            async with session.post(a.url + "/v1/completions", json={
+                    "model": "model", "prompt": tokens, "max_tokens": 1}) as r:
+                assert r.status == 200
+
+            async def indexed() -> bool:
+                return registry.index.prefix_tokens_per_instance(tokens, "model").get(a.name) == 16
+
+            await until(indexed, "its blocks indexed")
+            port = a.server.port
+            await a.server.close()
+
+            async def down() -> bool:
+                return not engine.alive
+
+            await until(down, "the engine marked dead")
+            assert engine.deaths == 1 and not scheduler.engines[a.name].alive
+            assert registry.index.prefix_tokens_per_instance(tokens, "model") == {}
+            restarted = TestServer(make_app(FakeEngine("model", 4, 0.005)), port=port)
+            await restarted.start_server()
+            try:
+                await until(up, "the engine up again")
+                assert scheduler.engines[a.name].alive
+                assert registry.index.prefix_tokens_per_instance(tokens, "model") == {}
+            finally:
+                await restarted.close()
+        finally:
+            await fleet.close()
+            await registry.close()

@@ -346,13 +346,14 @@ class Choice:
             threads = best.placement.of(PREFILL).threads
             chunk = m.prefill_s(min(mix.computed_tokens, m.prefill_chunk), threads)
             if other is not None:
-                step = m.decode_s(max(1.0, other.at.batch))
-                why = (f"with its own cores ({other.layout.name()}) decode needs them only "
-                       f"{step / slo.tbt_s:.0%} of the time to keep tokens within the TBT SLO "
-                       f"(a {step * 1e3:.1f} ms step at batch {max(1.0, other.at.batch):.0f} "
-                       f"per {slo.tbt_s * 1e3:g} ms); colocated gives those cores to prefill, "
-                       f"and a {chunk * 1e3:.0f} ms prefill chunk between decode steps still "
-                       f"keeps the mean TBT at {best.at.tbt_s * 1e3:.0f} ms")
+                batch = max(1.0, best.at.batch)
+                step = m.decode_s(batch)
+                why = (f"a decode step takes {step * 1e3:.1f} ms at the batch it would run "
+                       f"({batch:.0f}), {step / slo.tbt_s:.0%} of the {slo.tbt_s * 1e3:g} ms "
+                       f"TBT SLO, so cores kept for decode alone ({other.layout.name()}) "
+                       f"would idle; colocated gives that time to prefill, and a "
+                       f"{chunk * 1e3:.0f} ms prefill chunk between decode steps still keeps "
+                       f"the mean TBT at {best.at.tbt_s * 1e3:.0f} ms")
             else:
                 why = "the prefill and decode cannot be put on separate cores"
         elif other is not None and other.limit.binds == "tbt":

@@ -19,7 +19,6 @@ def add_membership(app: web.Application, ctx: NodeContext) -> None:
         if etcd.enabled:
             from mooncaked.node.discovery import EtcdDiscovery
             from mooncaked.node.etcd_store import EtcdStore, EtcdUnavailable
-            from mooncaked.node.messages import NodeRegistration
 
             try:
                 store = EtcdStore(etcd)
@@ -27,8 +26,7 @@ def add_membership(app: web.Application, ctx: NodeContext) -> None:
                 raise StartupError(str(exc)) from None
 
             def make_discovery(on_leader):
-                return EtcdDiscovery(store, lambda: NodeRegistration.from_wire(ctx.registration()),
-                                     etcd.lease_ttl_s, on_leader)
+                return EtcdDiscovery(store, ctx.registration, etcd.lease_ttl_s, on_leader)
             discovery = make_discovery
         client = MembershipClient(
             conductor_url=ctx.conductor, info_fn=ctx.registration, load_fn=ctx.load,

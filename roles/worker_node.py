@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import mmap
 import threading
 import time
@@ -81,6 +82,19 @@ class WorkerNode:
         default_factory=contextlib.AsyncExitStack, repr=False)
     # The compute thread's CPU-time clock, known once it has run something.
     _compute_clock: int | None = dataclasses.field(default=None, repr=False)
+    # Whether decode sequences of requests other than the one named share
+    # this node's compute thread now (a colocated node's batcher sets it): a
+    # prefill then computes in ``interleave_tokens`` chunks, so a decode
+    # step waits for one short chunk rather than a whole prefill_chunk.
+    decoding: Callable[[str], bool] = lambda request_id: False
+    # A colocated node's batcher: start decoding a request whose reservation
+    # is here as soon as this node's prefill samples its first token
+    # (DecodeBatcher.start with early=True); None on a node that does not decode.
+    start_decode_here: Callable[[str, int, int, Any, list[int]], Any] | None = None
+    # The fewest whole blocks whose fixed per-chunk cost (measured at
+    # warm-up) stays within prefill.interleave_overhead of the chunk's
+    # compute; 0 = not measured (chunks stay prefill_chunk).
+    interleave_tokens: int = 0
 
     @classmethod
     async def open(cls, ctx: NodeContext) -> WorkerNode:
@@ -151,7 +165,8 @@ class WorkerNode:
             # faults): take them now rather than in the first request's TTFT.
             t_warm = time.perf_counter()
             await worker.compute(worker._warm_up)
-            log.info("model warmed up in %.2fs", time.perf_counter() - t_warm)
+            log.info("model warmed up in %.2fs; prefill chunks of %s tokens while decoding",
+                     time.perf_counter() - t_warm, worker.interleave_tokens or "prefill_chunk")
             worker._resources = stack.pop_all()
         worker._announce()
         log.info("worker ready in %.2fs: model %s (%d layers), %d pages of %d tokens (%.1f MiB), "
@@ -164,20 +179,19 @@ class WorkerNode:
         """What the node registers with: capacity, transfer segment, status."""
         ctx, pf = self.ctx, self.config.prefill
         ctx.transfer_descriptor = self.engine.segment_descriptor()
-        ctx.capacity.update({
-            "pages": self.shard.num_pages, "block_size": self.layout.block_size,
-            # Whole-model KV per token: what a transfer of a prefix moves.
-            "page_bytes": self.layout.page_bytes,
-            "kv_bytes_per_token": self.full_layout.kv_bytes_per_token,
-            "layout": self.layout.to_dict(), "region": self.region_id,
-            "layers": [self.first_layer, self.end_layer],
-        })
         yields_to = [n.strip() for n in pf.yields_to.split(",") if n.strip()]
-        if yields_to:
-            ctx.capacity["yields_to"] = yields_to
+        ctx.capacity = dataclasses.replace(
+            ctx.capacity, pages=self.shard.num_pages, block_size=self.layout.block_size,
+            page_bytes=self.layout.page_bytes,
+            # Whole-model KV per token: what a transfer of a prefix moves.
+            kv_bytes_per_token=self.full_layout.kv_bytes_per_token,
+            layout=self.layout, region=self.region_id,
+            layers=[self.first_layer, self.end_layer], yields_to=yields_to or None,
+            interleave_tokens=(self.interleave_tokens or None)
+            if self.ctx.config.node.role == "colocated" else None)
         if self.cpp:
-            ctx.capacity.update({"cpp_group": pf.cpp_group, "cpp_stage": pf.cpp_stage,
-                                 "cpp_stages": pf.cpp_stages})
+            ctx.capacity = dataclasses.replace(ctx.capacity, cpp_group=pf.cpp_group,
+                                               cpp_stage=pf.cpp_stage, cpp_stages=pf.cpp_stages)
         ctx.status_providers["store"] = lambda: self.shard.stats().to_dict()
         ctx.status_providers["transfer"] = self.engine.stats
         ctx.collection_sizes.append(self._collection_sizes)
@@ -188,7 +202,8 @@ class WorkerNode:
                 "store_private_pages": store.private_pages, "store_pinned_blocks": store.pinned_blocks}
 
     def _warm_up(self) -> None:
-        """A short prefill and decode step through one scratch page."""
+        """A short prefill and decode step through one scratch page; then the
+        per-chunk cost that sizes interleaved chunks (``interleave_tokens``)."""
         if self.first_layer != 0 or self.end_layer != self.model_config.num_layers:
             return  # a pipeline stage: its first chunk warms it
         page = self.shard.allocate(1)
@@ -196,8 +211,18 @@ class WorkerNode:
             n = min(8, self.layout.block_size - 1)
             self.runner.prefill([0] * n, page, 0)
             self.runner.decode_step([DecodeSeq(0, n, page)])
+            self.interleave_tokens = self._measure_interleave_tokens(page)
         finally:
             self.shard.free(page)
+
+    def _measure_interleave_tokens(self, page: list[int]) -> int:
+        share = self.config.prefill.interleave_overhead
+        if share <= 0:
+            return 0
+        bs = self.layout.block_size
+        one = _best_of(3, lambda: self.runner.prefill([0], page, 0))
+        block = _best_of(3, lambda: self.runner.prefill([0] * bs, page, 0))
+        return interleave_tokens(one, block, bs, share, self.config.model.prefill_chunk)
 
     async def compute(self, fn: Callable[..., T], *args: Any) -> T:
         """Run model work on the compute thread."""
@@ -222,6 +247,37 @@ class WorkerNode:
         """Close every part, in reverse order of opening."""
         self.runner = None  # drop the tensor view before the buffer is unmapped
         await self._resources.aclose()
+
+
+def interleave_tokens(one_token_s: float, block_s: float, block_size: int, share: float,
+                      prefill_chunk: int) -> int:
+    """The chunk a prefill computes in while decode steps wait on it.
+
+    A chunk of t tokens costs about o + c * t: o, what every chunk pays
+    whatever its size (a pass over the weights, the per-layer calls), is the
+    time of a one-token prefill; c, the rest of a block's time per token.
+    The fewest whole blocks with o <= share * (o + c * t): as short as a
+    decode step can wait on while the per-chunk cost stays within ``share``
+    of the compute; at most prefill_chunk (in whole blocks); 0 when
+    ``share`` is 0 (no interleave size: always prefill_chunk)."""
+    if share <= 0:
+        return 0
+    per_token = max(block_s - one_token_s, 1e-12) / max(1, block_size - 1)
+    tokens = one_token_s * (1 - share) / (share * per_token)
+    largest = max(block_size, prefill_chunk - prefill_chunk % block_size)
+    if not math.isfinite(tokens):
+        return largest
+    return min(largest, max(1, math.ceil(tokens / block_size)) * block_size)
+
+
+def _best_of(repeats: int, fn: Callable[[], Any]) -> float:
+    """The least wall time of ``repeats`` calls (the others met interference)."""
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def segment_resolver(client: InternalClient, conductor_url: str | Callable[[], str]

@@ -208,7 +208,7 @@ async def test_a_stream_still_running_after_the_release_never_reaches_the_next_o
         try:
             b = reserve_all(batcher, worker, "b")
         except StoreFullError:
-            assert batcher.load()["fenced_pages"] > 0
+            assert batcher.load().fenced_pages > 0
             await asyncio.sleep(0.001)
     assert set(b.pages) == set(a.pages)
     want = fill(worker, b.pages, 0xA7)
@@ -237,7 +237,7 @@ async def test_pages_with_a_write_landing_stay_fenced_until_its_last_byte(decode
                                      capability=grant.capability) + b"L" * (pb // 2))
         await eventually(lambda: batcher.grants.landing(grant.capability) == 1)
         assert batcher.release("a", "cancelled")
-        assert batcher.load()["fenced_pages"] == PAGES
+        assert batcher.load().fenced_pages == PAGES
         assert worker.shard.stats().free_pages == 0
         with pytest.raises(StoreFullError):
             batcher.reserve("b", BLOCK)
@@ -245,7 +245,7 @@ async def test_pages_with_a_write_landing_stay_fenced_until_its_last_byte(decode
         ack = await asyncio.to_thread(frames.recv_bytes, s, frames.HEADER_SIZE)
         assert frames.unpack_header(None, ack)[:2] == (frames.OP_WRITE_ACK, frames.STATUS_OK)
         await eventually(lambda: worker.shard.stats().free_pages == PAGES)
-        assert batcher.load()["fenced_pages"] == 0
+        assert batcher.load().fenced_pages == 0
         b = reserve_all(batcher, worker, "b")
         want = fill(worker, b.pages, 0x33)
         # Anything more from that sender is refused.
@@ -268,9 +268,9 @@ async def test_close_frees_pages_a_write_still_fences(decode_node):
                                      capability=grant.capability) + b"x")
         await eventually(lambda: batcher.grants.landing(grant.capability) == 1)
         batcher.release("a", "cancelled")
-        assert batcher.load()["fenced_pages"] == PAGES
+        assert batcher.load().fenced_pages == PAGES
         await batcher.close()                       # the node is stopping
-        assert batcher.load()["fenced_pages"] == 0
+        assert batcher.load().fenced_pages == 0
         assert worker.shard.stats().free_pages == PAGES
     finally:
         s.close()

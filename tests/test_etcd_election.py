@@ -16,7 +16,7 @@ from mooncaked.etcd_process import EtcdProcess, find_etcd
 from mooncaked.node.discovery import EtcdDiscovery
 from mooncaked.node.election import LeaderElection, new_incarnation
 from mooncaked.node.etcd_store import ConductorRecord, EtcdStore, EtcdUnavailable
-from mooncaked.node.messages import NodeRegistration
+from mooncaked.node.messages import NodeCapacity, NodeRegistration
 from mooncaked.node.sections import EtcdSection
 from mooncaked.node.tasks import cancel_and_wait
 from tests.waiting import eventually
@@ -97,7 +97,7 @@ async def test_node_record_lives_under_its_lease(etcd):
     reader = EtcdStore(section(etcd))
     leaders: list[ConductorRecord] = []
     reg = NodeRegistration(node_id="prefill-7", role="prefill", url="http://127.0.0.1:9",
-                           capacity={"pages": 4},
+                           capacity=NodeCapacity(pages=4),
                            transfer={"name": "prefill-7", "nics": [{"host": "127.0.0.1", "port": 5}]})
     elector = candidate(etcd, "c")
     elector.start()
@@ -127,7 +127,7 @@ async def test_a_loop_woken_as_it_is_stopped_still_stops(etcd):
     elector.start()
     await eventually(lambda: elector.is_leader, 10)
     reg = NodeRegistration(node_id="prefill-8", role="prefill", url="http://127.0.0.1:9",
-                           capacity={}, transfer={})
+                           transfer={})
     node = EtcdDiscovery(EtcdStore(section(etcd)), lambda: reg, TTL, lambda leader: None)
     await node.start(5)
     for looping in (node, elector):

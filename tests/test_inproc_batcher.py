@@ -137,10 +137,23 @@ async def test_reservations_take_whole_private_pages_all_or_nothing(make_batcher
         batcher.reserve("b", 5 * BLOCK + 1)                 # 6 pages, 5 left
     assert free_pages(batcher) == 5 and "b" not in batcher.seqs
     assert len(batcher.reserve("b", 5 * BLOCK)) == 5
-    assert free_pages(batcher) == 0 and batcher.load()["reservations"] == 2
+    assert free_pages(batcher) == 0 and batcher.load().reservations == 2
     assert batcher.release("a", "cancelled") is True and free_pages(batcher) == 3
     assert batcher.release("a", "cancelled") is False
     assert batcher.touch("a") is False and batcher.touch("b") is True
+
+
+async def test_a_prefill_here_chunks_finer_while_other_requests_hold_reservations(make_batcher):
+    """The worker's ``decoding(request_id)``: whether a prefill of that
+    request shares the compute thread with other requests' decode work (a
+    colocated node), so it computes in interleave-sized chunks."""
+    batcher, worker = make_batcher(pages=8)
+    assert not worker.decoding("a")
+    batcher.reserve("a", 20)
+    assert not worker.decoding("a")          # its own reservation only
+    assert worker.decoding("b")              # "b" would hold a's first step up
+    batcher.release("a", "cancelled")
+    assert not worker.decoding("b")
 
 
 async def test_start_needs_a_big_enough_unused_reservation(make_batcher):
@@ -169,7 +182,7 @@ async def test_one_sequence_decodes_the_reference_tokens(make_batcher):
     assert worker.mirrors == [[37 + 12]] * 11                 # prompt + max_tokens positions
     assert batcher.tokens_out == 12
     # Finished, but the pages stay reserved until the caller releases them.
-    assert batcher.load()["batch_size"] == 0 and batcher.load()["reservations"] == 1
+    assert batcher.load().batch_size == 0 and batcher.load().reservations == 1
     assert free_pages(batcher) == 16 - 4                      # ceil(49 / 16)
     batcher.release("r", finish)
     assert free_pages(batcher) == 16 and batcher.shard.stats().private_pages == 0
@@ -213,7 +226,7 @@ async def test_max_batch_bounds_every_step_and_the_rest_waits_its_turn(make_batc
     firsts = {rid: await prefill(batcher, worker, rid, p, 6) for rid, p in prompts.items()}
     page = {rid: batcher.seqs[rid].pages[0] for rid in prompts}
     queues = {rid: batcher.start(rid, len(p), firsts[rid], greedy(6)) for rid, p in prompts.items()}
-    assert batcher.load()["waiting"] == 3                    # the loop has not run yet
+    assert batcher.load().waiting == 3                    # the loop has not run yet
     for rid, prompt in prompts.items():
         streamed, finish = await drain(queues[rid])
         assert [firsts[rid], *streamed] == reference_greedy("tiny", prompt, 6) and finish == "length"
@@ -252,7 +265,7 @@ async def test_a_first_token_that_stops_never_reaches_the_batch(make_batcher):
     one = await prefill(batcher, worker, "y", prompt, 1)
     assert batcher.start("y", len(prompt), one, greedy(1)).get_nowait() == (one, 0.0, "length")
     await asyncio.sleep(0.05)
-    assert batcher.steps == 0 and worker.batches == [] and batcher.load()["waiting"] == 0
+    assert batcher.steps == 0 and worker.batches == [] and batcher.load().waiting == 0
 
 
 async def test_cancel_mid_generation_frees_the_pages_and_the_others_carry_on(make_batcher):
@@ -282,6 +295,39 @@ async def test_cancel_mid_generation_frees_the_pages_and_the_others_carry_on(mak
     assert free_pages(batcher) == 24
 
 
+async def test_a_sequence_started_early_decodes_and_the_conductors_start_attaches(make_batcher):
+    """A colocated node's prefill starts decoding with its first token; the
+    conductor's start, arriving later, attaches to that sequence and reads
+    every token decoded meanwhile: the same tokens as a start by the
+    conductor alone."""
+    batcher, worker = make_batcher(pages=16)
+    prompt = tokens(12, seed=4)
+    first = await prefill(batcher, worker, "a", prompt, 6)
+    early = batcher.start("a", len(prompt), first, greedy(6), early=True)
+    while len(batcher.seqs["a"].tokens) < 3:           # it decodes before anyone attaches
+        await asyncio.sleep(0.005)
+    with pytest.raises(ValueError, match="another prompt or first token"):
+        batcher.start("a", len(prompt), first + 1, greedy(6))
+    queue = batcher.start("a", len(prompt), first, greedy(6))
+    assert queue is early
+    streamed, finish = await drain(queue)
+    assert [first, *streamed] == reference_greedy("tiny", prompt, 6) and finish == "length"
+    with pytest.raises(ValueError, match="already started"):
+        batcher.start("a", len(prompt), first, greedy(6))
+
+
+async def test_a_sequence_started_early_and_never_attached_expires(make_batcher):
+    batcher, worker = make_batcher(pages=16, reservation_timeout_s=0.2)  # swept every 0.05 s
+    prompt = tokens(8, seed=9)
+    first = await prefill(batcher, worker, "orphan", prompt, 2)
+    batcher.start("orphan", len(prompt), first, greedy(2), early=True)
+    for _ in range(100):
+        if "orphan" not in batcher.seqs:
+            break
+        await asyncio.sleep(0.02)
+    assert "orphan" not in batcher.seqs and free_pages(batcher) == 16
+
+
 async def test_unstarted_reservations_expire_unless_touched(make_batcher):
     batcher, worker = make_batcher(pages=16, reservation_timeout_s=0.2)  # swept every 0.05 s
     batcher.reserve("idle", 16)
@@ -306,10 +352,10 @@ async def test_close_releases_every_reservation_and_ends_every_stream(make_batch
     first = await prefill(batcher, worker, "running", prompt, 100)
     queue = batcher.start("running", len(prompt), first, greedy(100))
     await drain(queue, until=2)
-    assert batcher.load()["mirrored"] == 1
+    assert batcher.load().mirrored == 1
     await batcher.close()
     assert batcher.seqs == {} and free_pages(batcher) == 16
-    assert batcher.mirror_bytes == 0 and batcher.load()["mirrored"] == 0
+    assert batcher.mirror_bytes == 0 and batcher.load().mirrored == 0
     _, why = await drain(queue)
     assert why == "released"
 
@@ -343,12 +389,12 @@ async def test_pages_of_a_sequence_in_the_step_in_flight_stay_fenced_until_it_en
         prompt = tokens(10, seed=30)
         await start_into_gated_step(batcher, worker, "a", prompt, 30)   # 3 pages
         assert batcher.release("a", "cancelled")
-        assert free_pages(batcher) == 8 - 3 and batcher.load()["fenced_pages"] == 3
+        assert free_pages(batcher) == 8 - 3 and batcher.load().fenced_pages == 3
         with pytest.raises(StoreFullError):
             batcher.reserve("b", 8 * BLOCK)           # the fenced pages are not reusable yet
         worker.gate.set()
         await eventually(lambda: free_pages(batcher) == 8)
-        assert batcher.load()["fenced_pages"] == 0
+        assert batcher.load().fenced_pages == 0
         assert len(batcher.reserve("b", 8 * BLOCK)) == 8
     finally:
         worker.gate.set()
@@ -359,20 +405,19 @@ async def test_pages_of_a_sequence_in_the_step_in_flight_stay_fenced_until_it_en
 
 async def test_load_report_names_each_sequence_and_recent_steps(make_batcher):
     """What the conductor predicts the node's future load from (typed records)."""
-    from mooncaked.node.messages import DecodeSeqLoad, DecodeStepSample
     batcher, worker = make_batcher(pages=16)
     prompt = tokens(37, seed=1)
     first = await prefill(batcher, worker, "r", prompt, 30)
     queue = batcher.start("r", len(prompt), first, greedy(30))
     await drain(queue, until=4)
     load = batcher.load()
-    (seq,) = [DecodeSeqLoad.from_wire(s) for s in load["sequences"]]
+    (seq,) = load.sequences
     assert seq.request_id == "r" and seq.max_tokens == 30
     assert seq.generated_tokens >= 5                  # first token + at least 4 decoded
     # The next step writes the newest token's KV and attends over all of it:
     # prompt + generated positions.
     assert seq.context_tokens == len(prompt) + seq.generated_tokens
-    steps = [DecodeStepSample.from_wire(s) for s in load["recent_steps"]]
+    steps = load.recent_steps
     assert steps and len(steps) <= 16
     assert [s.step for s in steps] == list(range(steps[0].step, steps[0].step + len(steps)))
     # One sequence, one more KV position each step.
@@ -380,7 +425,7 @@ async def test_load_report_names_each_sequence_and_recent_steps(make_batcher):
     assert [s.context_tokens for s in steps] == [len(prompt) + s.step + 1 for s in steps]
     await drain(queue)
     batcher.release("r", "length")
-    assert batcher.load()["sequences"] == []
+    assert batcher.load().sequences == []
 
 
 # ---- contiguous KV mirrors -------------------------------------------------------
@@ -402,7 +447,7 @@ async def test_mirrors_only_within_the_budget_the_rest_gathers_until_room_is_fre
     queues = {rid: batcher.start(rid, len(p), firsts[rid], greedy(n)) for rid, (p, n) in reqs.items()}
     early, _ = await drain(queues["a"], until=2)
     load = batcher.load()
-    assert (load["mirrored"], load["mirror_bytes"], load["mirror_budget_bytes"]) == \
+    assert (load.mirrored, load.mirror_bytes, load.mirror_budget_bytes) == \
         (1, positions_bytes(tiny_weights, 16), budget)
     got = {"a": [firsts["a"], *early], "b": [firsts["b"]]}
     for rid, (prompt, n) in reqs.items():
@@ -411,7 +456,7 @@ async def test_mirrors_only_within_the_budget_the_rest_gathers_until_room_is_fre
         assert got[rid] == reference_greedy("tiny", prompt, n) and finish == "length", rid
     # a's 5 steps with its mirror beside b gathering; then b alone, mirrored.
     assert worker.mirrors == [[16, None]] * 5 + [[60]] * 24
-    assert batcher.mirror_bytes == 0 and batcher.load()["mirrored"] == 0
+    assert batcher.mirror_bytes == 0 and batcher.load().mirrored == 0
 
 
 async def test_no_budget_no_mirrors(make_batcher):
@@ -439,7 +484,7 @@ async def test_a_release_during_the_step_returns_the_mirror_bytes_at_once(tiny_w
         mirror = weakref.ref(batcher.seqs["a"].mirror)
         assert batcher.mirror_bytes == budget
         assert batcher.release("a", "cancelled")
-        assert batcher.mirror_bytes == 0 and batcher.load()["mirrored"] == 0
+        assert batcher.mirror_bytes == 0 and batcher.load().mirrored == 0
         assert mirror() is not None                   # the step in flight still writes it
         worker.gate.set()
         await eventually(lambda: mirror() is None)    # the step ended; the batcher idles

@@ -31,8 +31,9 @@ from model.sampling import SamplingParams
 from mooncaked.node.errors import ApiError, error_response
 from mooncaked.node.internal_client import InternalClient
 from mooncaked.node.membership import NodeRegistry
-from mooncaked.node.messages import (Cancelled, DecodeStart, NodeRegistration, Ok, PrefillReply,
-                                     PrefillRequest, RequestRef, ReservationGrant,
+from mooncaked.node.messages import (Cancelled, DecodeStart, MessageError, NodeCapacity,
+                                     NodeRegistration, Ok, PrefillReply, PrefillRequest,
+                                     PrefillTimings, RequestRef, ReservationGrant,
                                      ReservationRequest, Route, StreamError, TokenLine)
 from mooncaked.node.sections import ConductorSection
 from roles.conductor.cluster import ClusterView
@@ -84,7 +85,7 @@ class FakePrefill:
     ``hold`` is set; every body is recorded."""
     reply: PrefillReply = field(default_factory=lambda: PrefillReply(
         first_token=17, logprob=-0.5, local_hit_tokens=16, computed_tokens=24,
-        timings={"queue_s": 0.001, "compute_s": 0.004}))
+        timings=PrefillTimings(queue_s=0.001, compute_s=0.004)))
     status: int = 200
     hold: asyncio.Event | None = None
     received: list[PrefillRequest] = field(default_factory=list)
@@ -218,7 +219,7 @@ async def conductor_for():
         clients.append(client)
         dispatcher = Dispatcher(cluster, client, ConductorMetrics(prom), SEED, [EOS],
                                 reservation_keepalive_s=keepalive_s)
-        capacity = {"pages": PAGES, "block_size": BLOCK, "kv_bytes_per_token": 1024}
+        capacity = NodeCapacity(pages=PAGES, block_size=BLOCK, kv_bytes_per_token=1024)
         now = time.monotonic()
         registry.register(NodeRegistration(node_id="prefill-0", role="prefill",
                                            url=prefill_url or await serve(prefill.app()),
@@ -294,18 +295,22 @@ async def test_events_in_order_and_every_node_gets_the_right_body(conductor_for)
     assert (trace.status, trace.cached_tokens, trace.local_hit_tokens, trace.completion_tokens,
             trace.output_token_ids) == ("ok", 16, 16, 4, [17, 23, 5, 42])
     assert trace.prefill_compute_s == 0.004 and trace.prefill_queue_s == 0.001
-    # The decode node's TBT residual learned from the stream's token
-    # intervals: their mean (the request's inter-token latency, not its
-    # longest interval), as a log-ratio over the decode model's step.
+    # The decode node learned from the stream's token intervals: the first
+    # (the hand-off from prefill) as seconds beyond the model's step, the
+    # mean of the others as a log-ratio over it.
     times = trace.token_times
-    mean_interval = (times[-1] - times[0]) / (len(times) - 1)
-    stats = c.sched.residual_stats(times[-1])["tbt_log_ratio"]
-    assert stats["decode-0"].samples == 1 and tbt_model > 0
-    if mean_interval > 0:
-        assert stats["decode-0"].median == pytest.approx(math.log(mean_interval / tbt_model))
+    first = times[1] - times[0]
+    steps_mean = (times[-1] - times[1]) / (len(times) - 2)
+    stats = c.sched.residual_stats(times[-1])
+    assert stats["tbt_log_ratio"]["decode-0"].samples == 1 and tbt_model > 0
+    assert stats["handoff_s"]["decode-0"].median == pytest.approx(first - tbt_model)
+    if steps_mean > 0:
+        assert stats["tbt_log_ratio"]["decode-0"].median == pytest.approx(
+            math.log(steps_mean / tbt_model))
     # ... and /admin/status shows the residual model's windows by key.
     status = c.cluster.status()["residuals"]
     assert status["tbt_log_ratio"]["decode-0"]["samples"] == 1
+    assert status["handoff_s"]["decode-0"]["samples"] == 1
     # Its TTFT was priced by the prefill prior (no fit yet): it teaches nothing.
     assert status["ttft_s"] == {} and c.sched.ttft_residuals.prior_skipped == 1
 
@@ -639,7 +644,7 @@ async def test_the_blocks_a_prefill_stored_are_indexed_with_its_first_token(
 
     keys = chain_keys(PROMPT, SEED)
     reply = PrefillReply(first_token=17, logprob=-0.5, computed_tokens=len(PROMPT),
-                         timings={"queue_s": 0.001, "compute_s": 0.004},
+                         timings=PrefillTimings(queue_s=0.001, compute_s=0.004),
                          stored=StoredBlocks(epoch=epoch, seq=seq, keys=keys))
     c = await conductor_for(FakePrefill(reply=reply))
     c.cluster.snapshot(CacheSnapshot(node_id="prefill-0", epoch=7, seq=2, keys=[]))
@@ -712,15 +717,21 @@ async def test_heartbeats_carry_the_prefill_requests_the_node_holds(conductor_fo
     # Named by the report: counted once, in the reported queue (the conductor
     # prices it with its own estimate: queue_from_bookings).
     assert [rid for rid, p in sched.prefill["prefill-0"].pending.items() if not p.in_report] == []
-    # How long it has been computing reaches the scheduler; a malformed figure does not.
+    # How long it has been computing reaches the scheduler; a report with a
+    # malformed figure is refused whole (the route answers 400), naming it.
     now = time.monotonic()
     registry.heartbeat("prefill-0", {"request_ids": ["booked"], "running_s": {"booked": 0.5}}, now)
     started = sched.prefill["prefill-0"].pending["booked"].started_at
     assert started == pytest.approx(now - 0.5, abs=0.05)   # report time less 0.5 s
-    for bad in ({"booked": -1}, {"booked": "x"}, {"booked": float("nan")}, ["booked"]):
+    for bad, where in (({"booked": -1}, "load.running_s.booked"),
+                       ({"booked": "x"}, "load.running_s.booked"),
+                       ({"booked": float("nan")}, "load.running_s.booked"),
+                       (["booked"], "load.running_s")):
         sched.prefill["prefill-0"].pending["booked"].started_at = None
-        registry.heartbeat("prefill-0", {"request_ids": ["booked"], "running_s": bad},
-                           time.monotonic())
+        with pytest.raises(MessageError) as refused:
+            registry.heartbeat("prefill-0", {"request_ids": ["booked"], "running_s": bad},
+                               time.monotonic())
+        assert refused.value.field == where
         assert sched.prefill["prefill-0"].pending["booked"].started_at is None
 
 
@@ -737,7 +748,7 @@ async def a_busier_second_prefill_node(c: Conductor):
     try:
         c.cluster.registry.register(NodeRegistration(
             node_id="prefill-1", role="prefill", url=str(server.make_url("")).rstrip("/"),
-            capacity={"pages": PAGES, "block_size": BLOCK, "kv_bytes_per_token": 1024}),
+            capacity=NodeCapacity(pages=PAGES, block_size=BLOCK, kv_bytes_per_token=1024)),
             time.monotonic())
         pending = c.sched.prefill["prefill-1"].pending
         pending["busy"] = PendingPrefill(0.5, time.monotonic())

@@ -37,7 +37,7 @@ from rdma.engine import TransferEngine
 from roles.prefill.job import PrefillCancelled, PrefillJob
 from roles.prefill.service import PrefillService
 from roles.store_leases import LEASES, add_lease_routes
-from roles.worker_node import WORKER, WorkerNode
+from roles.worker_node import WORKER, WorkerNode, interleave_tokens
 from tests.cluster_helpers import tokens
 
 BLOCK = 16
@@ -239,6 +239,51 @@ async def test_compute_queued_meanwhile_runs_between_chunks_not_after_the_prompt
     decode.assert_kv_landed(grant, PROMPT_A, ref)
 
 
+def test_the_interleave_chunk_is_the_fewest_blocks_within_the_overhead_share():
+    # o = 2 ms, c = 0.1 ms/token (a 16-token block: 2 + 1.5 ms).  o <= s(o + c t)
+    # <=> t >= o (1 - s) / (s c): s = 0.2 -> 80 tokens = 5 blocks; s = 0.5 ->
+    # 20 tokens -> 2 blocks; never above prefill_chunk (whole blocks).
+    assert interleave_tokens(0.002, 0.0035, 16, 0.2, 1024) == 80
+    assert interleave_tokens(0.002, 0.0035, 16, 0.5, 1024) == 32
+    assert interleave_tokens(0.002, 0.0035, 16, 0.2, 50) == 48
+    assert interleave_tokens(0.002, 0.0035, 16, 0.0, 1024) == 0
+    # No per-chunk cost measured: one block is as efficient as any.
+    assert interleave_tokens(0.0, 0.0035, 16, 0.2, 1024) == 16
+
+
+@pytest.mark.parametrize("decoding, chunks", [
+    (False, ["chunk [0, 40)"]),
+    (True, ["chunk [0, 16)", "chunk [16, 32)", "chunk [32, 40)"])])
+async def test_a_prefill_chunks_finer_while_decode_sequences_share_the_node(
+        open_worker, decode, tiny_weights, decoding, chunks):
+    """A colocated node's decode steps wait for one chunk: while sequences are
+    decoding there, a prefill computes in the node's interleave size, not in
+    whole prefill_chunk chunks; the result is the same."""
+    worker = await open_worker()
+    worker.interleave_tokens = BLOCK
+    worker.decoding = lambda request_id: decoding and request_id == "req-a"
+    order: list[str] = []
+    grant = decode.reserve(len(PROMPT_A) + GREEDY.max_tokens)
+    job = PrefillJob(spec_for(worker, "req-a", PROMPT_A, grant), worker, 3 * BLOCK,
+                     fetch_timeout_s=5.0)
+    hook = job.layer_hook
+
+    def recording_hook(loop_, abort_on_cancel=True):
+        inner = hook(loop_, abort_on_cancel)
+
+        def record(start: int, end: int, layer: int) -> None:
+            if layer == 0:
+                order.append(f"chunk [{start}, {end})")
+            inner(start, end, layer)
+        return record
+    job.layer_hook = recording_hook
+    reply = await job.run()
+    assert order == chunks
+    ref = reference(tiny_weights, PROMPT_A)
+    assert reply.first_token == ref.token
+    decode.assert_kv_landed(grant, PROMPT_A, ref)
+
+
 async def test_first_token_and_streamed_kv_match_the_reference(open_worker, decode, tiny_weights):
     worker = await open_worker()
     job, grant, reply = await prefill(worker, decode, "req-a", PROMPT_A)
@@ -414,8 +459,8 @@ async def test_short_prompts_queued_together_share_one_pass(open_worker, decode,
             break
         await asyncio.sleep(0.01)
     load = svc.load()
-    assert (load["queue_len"], load["queued_tokens"], load["completed"], load["failed"]) == (0, 0, 3, 0)
-    assert load["request_ids"] == []
+    assert (load.queue_len, load.queued_tokens, load.completed, load.failed) == (0, 0, 3, 0)
+    assert load.request_ids == []
     assert_nothing_held(worker.shard, cached_blocks=1 + 2 + 2)
 
 
@@ -481,7 +526,7 @@ async def test_a_request_joins_a_pass_only_while_every_earlier_reply_stays_on_ti
     assert steps == passes
     assert svc.completed == 3
     # Each pass cut short by a due time, not by the token budget, is counted.
-    assert svc.load()["batch_joins_declined"] == len(passes) - 1
+    assert svc.load().batch_joins_declined == len(passes) - 1
 
 
 async def test_with_batching_within_predictions_off_the_token_budget_alone_decides(
@@ -492,7 +537,7 @@ async def test_with_batching_within_predictions_off_the_token_budget_alone_decid
     await submit_together_and_check(svc, worker, decode, tiny_weights, PROMPTS_3,
                                     {rid: PrefillBudget(1.0, 0.0) for rid in PROMPTS_3})
     assert steps == [["req-1", "req-2", "req-3"]]
-    assert svc.load()["batch_joins_declined"] == 0
+    assert svc.load().batch_joins_declined == 0
 
 
 async def test_a_batched_reply_does_not_wait_for_the_finish_of_the_one_ahead(
@@ -544,10 +589,10 @@ async def test_a_job_cancelled_mid_compute_frees_everything(open_worker, decode,
     assert [(end, layer) for end, layer, _ in job.stream_log] == [(48, 0), (48, 1)]
     # It said how long the running request had computed (the conductor's
     # estimate of it is that much spent).
-    assert list(loads[0]["running_s"]) == ["req-c"] and loads[0]["running_s"]["req-c"] >= 0
+    assert list(loads[0].running_s) == ["req-c"] and loads[0].running_s["req-c"] >= 0
     assert all(task.done() for task in job.sends)
     assert during[0].pinned_blocks == 2 and during[0].private_pages == 3
-    assert svc.cancel("req-c") is False and svc.load()["failed"] == 1
+    assert svc.cancel("req-c") is False and svc.load().failed == 1
     assert_nothing_held(worker.shard, cached_blocks=2)   # A's blocks, nothing of the cancelled job
 
 
@@ -557,8 +602,8 @@ async def test_a_job_cancelled_while_queued_takes_nothing(open_worker, decode, s
     grant = decode.reserve(len(PROMPT_A) + GREEDY.max_tokens)
     submit = asyncio.ensure_future(svc.submit(spec_for(worker, "req-q", PROMPT_A, grant)))
     await asyncio.sleep(0)             # queued; the queue task has not taken it yet
-    assert svc.load()["request_ids"] == ["req-q"]   # what the heartbeat tells the conductor
-    assert svc.load()["running_s"] == {}             # queued, not running
+    assert svc.load().request_ids == ["req-q"]   # what the heartbeat tells the conductor
+    assert svc.load().running_s == {}             # queued, not running
     assert svc.cancel("req-q") is True
     with pytest.raises(PrefillCancelled, match="queued"):
         await asyncio.wait_for(submit, 10)
@@ -585,8 +630,8 @@ async def test_the_queue_counts_the_tokens_it_will_compute(open_worker, decode, 
     submit = asyncio.ensure_future(svc.submit(spec_for(worker, "req-q", prompt, grant, fetch)))
     await asyncio.sleep(0)
     load = svc.load()
-    assert load["queued_tokens"] == computed
-    assert load["queued_prefill_s"] == pytest.approx(computed / svc.tokens_per_s)
+    assert load.queued_tokens == computed
+    assert load.queued_prefill_s == pytest.approx(computed / svc.tokens_per_s)
     await svc.close()
     with pytest.raises(PrefillCancelled):
         await submit
@@ -598,7 +643,7 @@ async def test_a_reply_says_the_cpu_seconds_its_compute_took(open_worker, decode
     batched pass shares it by tokens, like its wall time."""
     worker = await open_worker()
     _, _, reply = await prefill(worker, decode, "req-a", PROMPT_A)
-    cpu, wall = reply.timings["compute_cpu_s"], reply.timings["compute_s"]
+    cpu, wall = reply.timings.compute_cpu_s, reply.timings.compute_s
     assert 0 < cpu <= wall
     svc = await service_on(worker, chunk_size=64)
     prompts = {"req-1": tokens(20, seed=3), "req-2": tokens(40, seed=4)}
@@ -606,9 +651,9 @@ async def test_a_reply_says_the_cpu_seconds_its_compute_took(open_worker, decode
     one, two = await asyncio.gather(*(svc.submit(spec_for(worker, rid, p, grants[rid]))
                                       for rid, p in prompts.items()))
     assert svc.batches == 1
-    assert 0 < one.timings["compute_cpu_s"] <= one.timings["compute_s"]
+    assert 0 < one.timings.compute_cpu_s <= one.timings.compute_s
     # Shares by tokens to compute: 20 and 40.
-    assert two.timings["compute_cpu_s"] == pytest.approx(2 * one.timings["compute_cpu_s"], rel=1e-3)
+    assert two.timings.compute_cpu_s == pytest.approx(2 * one.timings.compute_cpu_s, rel=1e-3)
     assert worker.compute_cpu_s() > 0
 
 
@@ -636,11 +681,11 @@ async def test_a_batched_pass_is_charged_once_to_its_requests(open_worker, decod
                                       for rid, p in prompts.items()))
     assert svc.batches == 1
     load, first_start, read_at = seen[0]
-    assert set(load["running_s"]) == {"req-1", "req-2"}
-    assert sum(load["running_s"].values()) <= read_at - first_start + 1e-6
-    assert one.timings["batched_ahead_s"] == 0.0
+    assert set(load.running_s) == {"req-1", "req-2"}
+    assert sum(load.running_s.values()) <= read_at - first_start + 1e-6
+    assert one.timings.batched_ahead_s == 0.0
     # req-1's 20 tokens of 60 ran ahead of req-2: its share of the pass.
-    assert two.timings["batched_ahead_s"] == pytest.approx(one.timings["compute_s"], rel=1e-3)
+    assert two.timings.batched_ahead_s == pytest.approx(one.timings.compute_s, rel=1e-3)
     # ... and req-2's 40 behind req-1: req-1's first token waited for them too.
-    assert one.timings["batched_behind_s"] == pytest.approx(two.timings["compute_s"], rel=1e-3)
-    assert two.timings["batched_behind_s"] == 0.0
+    assert one.timings.batched_behind_s == pytest.approx(two.timings.compute_s, rel=1e-3)
+    assert two.timings.batched_behind_s == 0.0

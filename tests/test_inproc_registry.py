@@ -17,6 +17,7 @@ from aiohttp.test_utils import TestServer
 
 from mooncaked.local_cluster import free_port
 from mooncaked.node.membership import ConductorUnreachable, MembershipClient, NodeRegistry
+from mooncaked.node.messages import MessageError, NodeCapacity, NodeLoad, NodeRegistration
 
 
 def info(node_id: str = "prefill-0", role: str = "prefill", **extra) -> dict:
@@ -46,11 +47,12 @@ def test_alive_until_the_timeout_has_passed_then_dead_once(registry):
 
 
 def test_heartbeats_move_the_deadline_and_carry_the_load(registry):
-    registry.register(info(load={"queue": 1}), now=0.0)
-    assert registry.heartbeat("prefill-0", {"queue": 7}, now=4.0) is True
+    registry.register(info(load={"queue_len": 1}), now=0.0)
+    assert registry.heartbeat("prefill-0", {"queue_len": 7}, now=4.0) is True
     assert registry.sweep(now=9.0) == []               # 9 - 4 = 5: not older than timeout
     record = registry.get("prefill-0")
-    assert record.load == {"queue": 7} and record.last_seen == 4.0 and record.registered_at == 0.0
+    assert record.load == NodeLoad(queue_len=7)
+    assert record.last_seen == 4.0 and record.registered_at == 0.0
     assert record.to_dict(now=6.5)["seconds_since_heartbeat"] == 2.5
     assert [r.node_id for r in registry.sweep(now=9.5)] == ["prefill-0"]
     # A dead node's heartbeat is refused (it must register again), as is a stranger's.
@@ -59,6 +61,15 @@ def test_heartbeats_move_the_deadline_and_carry_the_load(registry):
     assert registry.get("prefill-0").last_seen == 4.0
     assert registry.events == [("joined", "prefill-0"), ("heartbeat", "prefill-0"),
                                ("dead", "prefill-0")]
+
+
+def test_a_bad_load_report_is_refused_and_changes_nothing(registry):
+    registry.register(info(), now=0.0)
+    with pytest.raises(MessageError) as refused:
+        registry.heartbeat("prefill-0", {"batch_size": "many"}, now=3.0)
+    assert refused.value.field == "load.batch_size"
+    assert registry.get("prefill-0").last_seen == 0.0
+    assert registry.events == [("joined", "prefill-0")]
 
 
 def test_sweep_only_kills_the_silent_nodes_and_alive_filters_by_role(registry):
@@ -81,7 +92,7 @@ def test_reregistering_a_live_name_replaces_the_old_incarnation(registry):
     assert registry.events == [("joined", "prefill-0"), ("left", "prefill-0"),
                                ("joined", "prefill-0")]
     assert registry.get("prefill-0") is second and second is not first
-    assert second.capacity == {"pages": 20} and second.registered_at == 1.0
+    assert second.capacity == NodeCapacity(pages=20) and second.registered_at == 1.0
     assert len(registry.alive()) == 1
 
 
@@ -123,10 +134,11 @@ def test_the_record_owns_copies_and_describes_itself(registry):
     capacity, transfer = {"pages": 4}, {"nics": [{"host": "10.0.0.1", "port": 7000}]}
     record = registry.register(info(capacity=capacity, transfer=transfer), now=0.0)
     capacity["pages"] = 99
-    assert record.capacity == {"pages": 4}
+    assert record.capacity == NodeCapacity(pages=4)
     assert record.url == "http://127.0.0.1:1/prefill-0"  # trailing slash dropped
     d = record.to_dict(now=0.25)
     assert d["transfer_endpoints"] == ["10.0.0.1:7000"] and d["alive"] is True
+    assert d["capacity"] == {"pages": 4} and d["load"] == {}   # as the node sent them
     assert (d["node_id"], d["role"], d["seconds_since_heartbeat"]) == ("prefill-0", "prefill", 0.25)
 
 
@@ -180,8 +192,9 @@ async def wait_for(predicate, timeout: float = 5.0) -> None:
 def client_for(port: int, **kw) -> MembershipClient:
     loads = iter(range(1000))
     args = dict(conductor_url=f"http://127.0.0.1:{port}/",
-                info_fn=lambda: info("decode-3", "decode", capacity={"pages": 8}),
-                load_fn=lambda: {"n": next(loads)}, interval_s=0.05, connect_timeout_s=5.0,
+                info_fn=lambda: NodeRegistration.from_wire(
+                    info("decode-3", "decode", capacity={"pages": 8})),
+                load_fn=lambda: NodeLoad(steps=next(loads)), interval_s=0.05, connect_timeout_s=5.0,
                 token="tok")
     return MembershipClient(**{**args, **kw})
 
@@ -200,11 +213,11 @@ async def test_registers_once_the_conductor_comes_up_then_heartbeats():
             assert time.monotonic() - t0 >= 0.4 and client.registered
             assert conductor.count("register") == 1
             record = conductor.registry.get("decode-3")
-            assert record.role == "decode" and record.capacity == {"pages": 8}
+            assert record.role == "decode" and record.capacity == NodeCapacity(pages=8)
             await wait_for(lambda: conductor.count("heartbeat") >= 3)
             beats = [body for name, body, _ in conductor.calls if name == "heartbeat"]
             # load_fn is asked afresh for every heartbeat.
-            assert [b["load"]["n"] for b in beats[:3]] == [0, 1, 2]
+            assert [b["load"] for b in beats[:3]] == [{"steps": n} for n in (0, 1, 2)]
             assert all(b["node_id"] == "decode-3" for b in beats)
             assert {auth for _, _, auth in conductor.calls} == {"Bearer tok"}
         finally:

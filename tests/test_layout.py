@@ -63,7 +63,8 @@ def test_fast_decode_and_a_prefill_that_scales_choose_colocated():
     by_name = {s.layout.name(): s.rate for s in choice.scores}
     assert by_name["disaggregated 1P+1D (decode on 1 CPU)"] == pytest.approx(8.8659, rel=1e-3)
     assert by_name["disaggregated 1P+1D (decode on 1 CPU) + borrowing prefill"] < 2 * 8.8659
-    assert "decode needs them only" in choice.reason()
+    assert "cores kept for decode alone (disaggregated 1P+1D" in choice.reason()
+    assert "0% of the 100 ms TBT SLO" in choice.reason()
     text = choice.describe()
     assert "layout auto: colocated x1" in text and "18.8" in text
 

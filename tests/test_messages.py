@@ -17,6 +17,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from kvstore.layout import PageLayout
 from model.sampling import SamplingParams
 from mooncaked.local_cluster import free_port
 from mooncaked.node.config import NodeConfig
@@ -24,11 +25,12 @@ from mooncaked.node.context import NodeContext
 from mooncaked.node.internal_client import InternalCallError, InternalClient
 from mooncaked.node.messages import (
     Aborted, ActivationSlot, CacheEvents, CacheEventsAck, CacheSnapshot, Cancelled, CppChunk,
-    CppHop, CppPlan, CppPrepare, CppPrepared, CppStageReport, CppStart, CppSummary, DecodeStart,
-    Deregistration, FetchPlan, Heartbeat, LeaseGrant, LeaseRelease, LeaseRequest, MessageError,
+    CppHop, CppPlan, CppPrepare, CppPrepared, CppStageReport, CppStart, CppSummary,
+    DecodeSeqLoad, DecodeStart, DecodeStepSample, Deregistration, FetchPlan, Heartbeat,
+    LeaseGrant, LeaseRelease, LeaseRequest, MessageError, NodeCapacity, NodeLoad,
     NodeRegistration, Ok, PrefetchReply, PrefetchRequest, PrefillBudget, PrefillReply,
-    PrefillRequest, RegistrationAck, Released, RequestRef, ReservationGrant, ReservationRequest,
-    Route, StreamError, TokenLine, decode_line, sampling_to_wire)
+    PrefillRequest, PrefillTimings, RegistrationAck, Released, RequestRef, ReservationGrant,
+    ReservationRequest, Route, StreamError, TokenLine, decode_line, sampling_to_wire)
 from mooncaked.node.runtime import build_app
 from mooncaked.node.sections import NodeSection
 from roles.conductor.cluster import CLUSTER, ClusterView, add_cache_routes
@@ -43,9 +45,27 @@ PREFILL = PrefillRequest(request_id="r1", token_ids=list(range(40)), block_keys=
                          cpp=CppPlan(stage_urls=["http://127.0.0.1:10"]),
                          budget=PrefillBudget(prefill_s=0.125, reply_within_s=0.5))
 HOP = CppHop(url="http://127.0.0.1:10", segment="prefill-1", region=2, offset=4096)
+LAYOUT = PageLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8, dtype="float32")
+# What worker_node announces; a CPP stage and a decode node add their own.
+CAPACITY = NodeCapacity(pages=64, block_size=16, page_bytes=LAYOUT.page_bytes,
+                        kv_bytes_per_token=LAYOUT.kv_bytes_per_token, layout=LAYOUT, region=0,
+                        layers=[0, 2], yields_to=["decode-0"])
+CPP_CAPACITY = dataclasses.replace(CAPACITY, yields_to=None, layers=[1, 2], cpp_group="g",
+                                   cpp_stage=1, cpp_stages=2)
+# What PrefillService.load and DecodeBatcher.load report; a colocated node both.
+PREFILL_LOAD = NodeLoad(queue_len=2, queued_tokens=96, queued_prefill_s=0.048,
+                        prefill_tokens_per_s=2000.0, request_ids=["r1", "r2"],
+                        running_s={"r1": 0.25}, running_cpu_s={"r1": 0.125}, batches=3,
+                        batched_requests=7, batch_joins_declined=1, completed=9, failed=0)
+DECODE_LOAD = NodeLoad(batch_size=1, waiting=1, reservations=3, free_pages=40, fenced_pages=0,
+                       recent_tbt_s=0.02, context_tokens=41, tokens_out=100, steps=90,
+                       mirrored=1, mirror_bytes=4096, mirror_budget_bytes=1 << 20,
+                       sequences=[DecodeSeqLoad("r1", 41, 2, 30), DecodeSeqLoad("r3", 12, 1, 8)],
+                       recent_steps=[DecodeStepSample(89, 1, 40, 0.02),
+                                     DecodeStepSample(90, 1, 41, 0.0199)])
 REGISTRATION = NodeRegistration(
     node_id="prefill-0", role="prefill", url="http://127.0.0.1:8001",
-    capacity={"pages": 64, "block_size": 16}, load={"queue_len": 0},
+    capacity=CAPACITY, load=NodeLoad(queue_len=0, draining=False),
     transfer={"name": "prefill-0", "transport": "tcp", "regions": [], "nics": [], "topology": {}})
 
 EVERY_MESSAGE = [
@@ -57,8 +77,12 @@ EVERY_MESSAGE = [
     TokenLine(token=2, logprob=0.0, finish_reason="stop"), StreamError(error="cancelled"),
     PREFILL, dataclasses.replace(PREFILL, fetch=None, cpp=None, budget=None),
     PrefillReply(first_token=7, logprob=-1.5, local_hit_tokens=16, fetched_tokens=16,
-                 computed_tokens=8, fetch_failed="", timings={"compute_s": 0.125, "queue_s": 0.0}),
-    PrefillReply(first_token=7, logprob=0.0, timings={},
+                 computed_tokens=8, fetch_failed="",
+                 timings=PrefillTimings(queue_s=0.5, fetch_s=0.25, compute_s=0.125,
+                                        transfer_wait_s=0.001, first_layer_sent_s=0.002,
+                                        total_s=0.375, compute_cpu_s=0.1, batched_ahead_s=0.05,
+                                        batched_behind_s=0.0)),
+    PrefillReply(first_token=7, logprob=0.0, timings=PrefillTimings(),
                  cpp=CppSummary(stages=2, boundary_bytes=1024, stage_compute_s=[0.5, 0.25])),
     PrefetchRequest(token_ids=list(range(32)), block_keys=[1, 2], source_url="http://p:1"),
     PrefetchReply(held_tokens=32, error=""),
@@ -73,9 +97,15 @@ EVERY_MESSAGE = [
     CppStageReport(stage_compute_s=0.5, stage_s=0.75, boundary_bytes=0, layers=[2, 4],
                    first_token=5, logprob=-0.5),
     CppChunk(request_id="r1", start=16, n=16),
-    REGISTRATION,
+    REGISTRATION, dataclasses.replace(REGISTRATION, capacity=CPP_CAPACITY),
+    NodeRegistration(node_id="decode-0", role="decode", url="http://127.0.0.1:8002",
+                     capacity=dataclasses.replace(CAPACITY, yields_to=None, max_batch=32),
+                     load=dataclasses.replace(DECODE_LOAD, draining=False)),
+    NodeCapacity(), NodeLoad(), PREFILL_LOAD, DECODE_LOAD,
     RegistrationAck(node_id="prefill-0", heartbeat_interval_s=1.0),
-    Heartbeat(node_id="prefill-0", load={"queue_len": 2, "draining": False}),
+    Heartbeat(node_id="prefill-0", load=dataclasses.replace(PREFILL_LOAD, draining=False)),
+    Heartbeat(node_id="colo-0",
+              load=PREFILL_LOAD.merged(DECODE_LOAD).merged(NodeLoad(draining=True))),
     Deregistration(node_id="prefill-0"),
     CacheSnapshot(node_id="prefill-0", epoch=2**62, seq=0, keys=[5, 6]),
     CacheEvents(node_id="prefill-0", epoch=2**62, seq=3, stored=[7], evicted=[5], resync=False),
@@ -101,8 +131,11 @@ def test_the_wire_keeps_the_shapes_nodes_already_speak():
     plain = dataclasses.replace(PREFILL, fetch=None, cpp=None, budget=None).to_wire()
     assert "fetch" not in plain and "cpp" not in plain and "budget" not in plain
     reply = PrefillReply(first_token=7, logprob=-1.5, local_hit_tokens=16, fetched_tokens=8,
-                         timings={"compute_s": 0.1234567}).to_wire()
-    assert reply["cached_tokens"] == 24 and reply["timings"] == {"compute_s": 0.123457}
+                         timings=PrefillTimings(compute_s=0.1234567)).to_wire()
+    assert reply["cached_tokens"] == 24 and reply["timings"] == {
+        "queue_s": 0.0, "fetch_s": 0.0, "compute_s": 0.123457, "transfer_wait_s": 0.0,
+        "first_layer_sent_s": 0.0, "total_s": 0.0, "batched_ahead_s": 0.0,
+        "batched_behind_s": 0.0}   # compute_cpu_s: only from a node that measures it
     assert set(reply) == {"first_token", "logprob", "cached_tokens", "local_hit_tokens",
                           "fetched_tokens", "computed_tokens", "fetch_failed", "timings"}
     assert TokenLine(token=1, logprob=0.0, finish_reason=None).to_wire() == {
@@ -111,6 +144,33 @@ def test_the_wire_keeps_the_shapes_nodes_already_speak():
     assert "first_token" not in CppStageReport(0.0, 0.0, 0, [0, 1]).to_wire()
     # One SamplingParams wire form: its fields.
     assert sampling_to_wire(SAMPLING) == dataclasses.asdict(SAMPLING)
+    # Capacity and load: the keys each role put in its open objects before
+    # they were typed (/admin/status and its readers see the same JSON); a
+    # field the node's role does not report is left out.
+    assert CPP_CAPACITY.to_wire() == {
+        "pages": 64, "block_size": 16, "page_bytes": LAYOUT.page_bytes,
+        "kv_bytes_per_token": LAYOUT.kv_bytes_per_token, "layout": LAYOUT.to_dict(),
+        "region": 0, "layers": [1, 2], "cpp_group": "g", "cpp_stage": 1, "cpp_stages": 2}
+    assert Heartbeat("d", NodeLoad(batch_size=0, sequences=[DecodeSeqLoad("r", 3, 1, 4)],
+                                   draining=True)).to_wire() == {
+        "node_id": "d", "load": {"draining": True, "batch_size": 0, "sequences": [
+            {"request_id": "r", "context_tokens": 3, "generated_tokens": 1, "max_tokens": 4}]}}
+    assert NodeRegistration("p", "prefill", "http://p").to_wire() == {
+        "node_id": "p", "role": "prefill", "url": "http://p", "capacity": {}, "transfer": {},
+        "load": {}}
+
+
+def test_a_colocated_load_report_merges_its_roles_parts():
+    """NodeContext.load: each role's part fills its own fields; draining is the node's."""
+    ctx = NodeContext(config=NodeConfig())
+    ctx.load_providers += [lambda: PREFILL_LOAD, lambda: DECODE_LOAD]
+    ctx.draining = True
+    load = ctx.load()
+    assert load.queue_len == 2 and load.batch_size == 1 and load.draining is True
+    assert load.to_wire() == {**PREFILL_LOAD.to_wire(), **DECODE_LOAD.to_wire(), "draining": True}
+    assert "draining" not in PREFILL_LOAD.to_wire()   # a role's part (/admin/status "prefill")
+    ctx.load_providers.clear()
+    assert ctx.load() == NodeLoad(draining=True)
 
 
 def test_defaults_fill_absent_and_null_fields_and_unknown_keys_are_ignored():
@@ -122,6 +182,12 @@ def test_defaults_fill_absent_and_null_fields_and_unknown_keys_are_ignored():
     assert CacheEvents.from_wire({"node_id": "n", "epoch": 1, "seq": 1}).stored == []
     assert decode_line({"error": "cancelled"}) == StreamError("cancelled")
     assert decode_line({"token": 3}) == TokenLine(3, None, None)
+    # Registrations live in etcd and are read by whichever conductor leads: in
+    # a rolling upgrade a node may report capacity and load its conductor does
+    # not know yet.
+    newer = _with(_with(REGISTRATION.to_wire(), "capacity.gpu_pages", 8), "load.newer_gauge", 1)
+    assert NodeRegistration.from_wire(newer) == REGISTRATION
+    assert Heartbeat.from_wire({"node_id": "p", "load": {"draining": None}}).load == NodeLoad()
 
 
 def _with(wire: dict, path: str, value) -> dict:
@@ -185,13 +251,44 @@ REGISTRATION_WIRE = REGISTRATION.to_wire()
     (PrefillReply, {"logprob": 0.0}, "prefill reply.first_token", "missing"),
     (PrefillReply, {"first_token": 1, "timings": {"queue_s": "slow"}},
      "prefill reply.timings.queue_s", "expected a number"),
+    (PrefillReply, {"first_token": 1, "timings": {"compute_cpu_s": -0.5}},
+     "prefill reply.timings.compute_cpu_s", "expected a finite number of seconds >= 0"),
     (LeaseRequest, {"keys": [1], "ttl_s": "long"}, "lease.ttl_s", "expected a number"),
     (LeaseRelease, {"lease_id": 1.5}, "lease.release.lease_id", "integer"),
     (NodeRegistration, _with(REGISTRATION_WIRE, "role", "conductor"), "registration.role",
      "expected one of prefill, decode, colocated"),
     (NodeRegistration, _with(REGISTRATION_WIRE, "capacity", [1]), "registration.capacity",
      "expected a JSON object"),
+    (NodeRegistration, _with(REGISTRATION_WIRE, "capacity.pages", "64"),
+     "registration.capacity.pages", "expected a non-negative integer, got '64'"),
+    (NodeRegistration, _with(REGISTRATION_WIRE, "capacity.block_size", 0),
+     "registration.capacity.block_size", "expected a positive integer, got 0"),
+    (NodeRegistration, _with(REGISTRATION_WIRE, "capacity.yields_to.0", ""),
+     "registration.capacity.yields_to[0]", "non-empty string"),
+    (NodeRegistration, _with(REGISTRATION_WIRE, "capacity.layout.head_dim", ...),
+     "registration.capacity.layout.head_dim", "missing"),
+    (NodeRegistration, _with(REGISTRATION_WIRE, "capacity.layout.dtype", "int3"),
+     "registration.capacity.layout", "dtype must be one of"),
+    (NodeRegistration, _with(REGISTRATION_WIRE, "capacity.cpp_group", "g"),
+     "registration.capacity.cpp_group", "cpp_group, cpp_stage and cpp_stages together"),
+    (NodeRegistration,
+     _with(REGISTRATION_WIRE, "capacity", _with(CPP_CAPACITY.to_wire(), "cpp_stage", 2)),
+     "registration.capacity.cpp_stage", "expected a stage below 2, got 2"),
+    (NodeRegistration, _with(REGISTRATION_WIRE, "load.queued_prefill_s", -1),
+     "registration.load.queued_prefill_s", "expected a finite number of seconds >= 0"),
     (Heartbeat, {"node_id": "n", "load": "busy"}, "heartbeat.load", "JSON object"),
+    (Heartbeat, {"node_id": "n", "load": {"batch_size": "2"}}, "heartbeat.load.batch_size",
+     "expected a non-negative integer, got '2'"),
+    (Heartbeat, {"node_id": "n", "load": {"draining": "no"}}, "heartbeat.load.draining",
+     "expected true or false"),
+    (Heartbeat, {"node_id": "n", "load": {"request_ids": ["r1", 2]}},
+     "heartbeat.load.request_ids[1]", "non-empty string"),
+    (Heartbeat, {"node_id": "n", "load": {"running_s": {"r1": float("inf")}}},
+     "heartbeat.load.running_s.r1", "expected a finite number of seconds >= 0"),
+    (Heartbeat, _with(Heartbeat("n", DECODE_LOAD).to_wire(), "load.sequences.1.max_tokens", 0),
+     "heartbeat.load.sequences[1].max_tokens", "expected a positive integer, got 0"),
+    (Heartbeat, _with(Heartbeat("n", DECODE_LOAD).to_wire(), "load.recent_steps.0.seconds", None),
+     "heartbeat.load.recent_steps[0].seconds", "expected a number, got null"),
     (CacheEvents, {"node_id": "n", "epoch": 1, "seq": 2, "stored": [1, True]},
      "cache.events.stored[1]", "non-negative integer"),
     (CacheSnapshot, {"node_id": "n", "epoch": 1, "keys": []}, "cache.snapshot.seq", "missing"),
@@ -234,6 +331,10 @@ async def conductor_url():
 @pytest.mark.parametrize("route,body,field", [
     (Route.NODE_REGISTER, {"node_id": "p", "role": "prefill", "url": 5}, "registration.url"),
     (Route.NODE_HEARTBEAT, {"node_id": "p", "load": []}, "heartbeat.load"),
+    (Route.NODE_HEARTBEAT, {"node_id": "p", "load": {"batch_size": "many"}},
+     "heartbeat.load.batch_size"),
+    (Route.NODE_REGISTER, {"node_id": "p", "role": "decode", "url": "http://p",
+                           "capacity": {"max_batch": 0}}, "registration.capacity.max_batch"),
     (Route.CACHE_EVENTS, {"node_id": "p", "epoch": 1, "seq": "2"}, "cache.events.seq"),
     (Route.CACHE_SNAPSHOT, {"node_id": "p", "epoch": 1, "seq": 0, "keys": [-1]},
      "cache.snapshot.keys[0]"),

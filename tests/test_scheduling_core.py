@@ -29,9 +29,10 @@ def make_sched(policy="mooncake", n_prefill=3, ttft_slo=30.0, tbt_slo=0.1, bw=1e
     return s
 
 
-def req(rid, n_blocks, tokens=None, out=10):
+def req(rid, n_blocks, tokens=None, out=10, base=100):
+    """Blocks base, base + 1, ...: requests of one base share their prefix."""
     tokens = tokens if tokens is not None else n_blocks * BS
-    return ScheduleRequest(rid, tuple(range(100, 100 + n_blocks)), tokens, BS, out)
+    return ScheduleRequest(rid, tuple(range(base, base + n_blocks)), tokens, BS, out)
 
 
 def load(s, node, seconds, now=0.0):
@@ -94,9 +95,48 @@ def test_hot_holder_nic_queue_raises_transfer_estimate():
     load(s, "p0", 100.0)
     d1 = s.schedule(req("a", 10), now=0.0)
     assert d1.transfer is not None
+    # "b" would queue behind "a", which computes its prefix there: that
+    # node drains, so "b" pulls too.
+    s.prefill[d1.prefill_node].accepting = False
     d2 = s.schedule(req("b", 10), now=0.0)
     # the second pull waits for the first on p0's NIC
-    assert d2.t_transfer > d1.t_transfer
+    assert d2.transfer is not None and d2.t_transfer > d1.t_transfer
+
+
+def test_a_request_queues_behind_the_one_computing_its_prefix():
+    # "a" computes 10 blocks on p0 (2.56 s).  "b" shares its first 8 blocks:
+    # elsewhere it would compute all 10 (2.56 s); behind "a" on p0 it waits
+    # 2.56 s and computes 2 blocks (0.512 s) - dearer, so an idle p1 takes
+    # it.  Once p1 and p2 are loaded (5 s), p0's 3.072 s wins, priced with
+    # the 8 pending blocks as its local prefix.
+    s = make_sched(threshold=100.0)
+    a = s.schedule(req("a", 10), now=0.0)
+    assert a.prefill_node == "p0" and a.predicted_ttft_s == pytest.approx(2.56)
+    b = ScheduleRequest("b", tuple(range(100, 108)) + (900, 901), 10 * BS, BS, 10)
+    first = s.schedule(b, now=0.0)
+    assert first.prefill_node != "p0"
+    s.on_prefill_finished(first.prefill_node, "b", now=0.0, actual_seconds=0.0)
+    s.on_decode_finished(first.decode_node, "b", now=0.0)
+    load(s, "p1", 5.0)
+    load(s, "p2", 5.0)
+    d = s.schedule(b, now=0.0)
+    assert d.prefill_node == "p0" and d.transfer is None
+    assert d.local_prefix_tokens == 8 * BS
+    assert d.predicted_ttft_s == pytest.approx(2.56 + 0.512)
+
+
+def test_at_threshold_one_a_node_pulls_whatever_longer_prefix_another_holds():
+    # p1 holds 5 of p0's 6 blocks (6/5 = 1.2 <= threshold 1.5: recompute);
+    # at 1.0 (the default) it pulls the sixth at 10 MB/s (0.0256 s) instead
+    # of computing it (0.256 s).
+    s = make_sched(threshold=1.0, bw=1e7)
+    s.on_events("p0", 0, range(100, 106), [])
+    s.on_events("p1", 0, range(100, 105), [])
+    load(s, "p0", 10.0)
+    load(s, "p2", 10.0)
+    d = s.schedule(req("r", 10), now=0.0)
+    assert d.prefill_node == "p1" and d.transfer is not None
+    assert d.predicted_ttft_s == pytest.approx(0.0256 + 0.001 * 4 * BS)
 
 
 def test_rejects_when_no_node_meets_ttft_slo():
@@ -272,7 +312,7 @@ def test_bookings_stay_counted_until_the_node_reports_holding_them():
     reservation: a report at t=1 that does not list it must not drop it."""
     s = make_sched(policy="load_balance", n_prefill=1)
     a = s.schedule(req("a", 4), now=0.0)          # 1.024 s of work each
-    s.schedule(req("b", 4), now=0.0)
+    s.schedule(req("b", 4, base=200), now=0.0)
     assert a.prefill_node == "p0" and s.prefill["p0"].queue_time(0.0) == pytest.approx(2.048)
     # The node holds only "a" (0.9 s of work left by its own figure).
     s.on_node_report("p0", NodeReport(at=1.0, queued_prefill_s=0.9,
@@ -287,3 +327,13 @@ def test_bookings_stay_counted_until_the_node_reports_holding_them():
     s.schedule(req("c", 4), now=2.5)
     s.on_node_report("p0", NodeReport(at=3.0, queued_prefill_s=1.0), 3.0)
     assert s.prefill["p0"].pending == {}
+
+
+def test_a_rejection_tells_the_prediction_and_the_limit_it_exceeded():
+    from roles.scheduling.state import Rejection
+    assert Rejection("r", "ttft_slo", 1.25, 0.02, 2.0, 0.8).message() == \
+        "rejected (ttft_slo): predicted TTFT 1.25s over the admit limit 0.8s, TBT 20ms; retry later"
+    assert Rejection("r", "tbt_slo", 0.1, 0.2, 1.0, 0.15).message() == \
+        "rejected (tbt_slo): predicted TTFT 0.1s, TBT 200ms over the admit limit 150ms; retry later"
+    assert Rejection("r", "no_prefill_node", math.inf, math.inf, 1.0).message() == \
+        "rejected (no_prefill_node): no prefill node; retry later"

@@ -5,6 +5,7 @@ estimator is 1 ms per computed token, so a request's predicted TTFT (and
 hence when it joins its decode node) is its prompt length in ms.
 """
 import math
+import zlib
 from collections import deque
 
 import pytest
@@ -33,7 +34,9 @@ def make_sched(decode=(0.02, 0.001, 0.0), tbt_slo=1.0, ttft_slo=30.0, n_decode=1
 
 
 def req(rid, tokens, out=8):
-    return ScheduleRequest(rid, tuple(range(1000, 1000 + -(-tokens // BS))), tokens, BS, out)
+    """A prompt of its own (no prefix shared with another request's)."""
+    base = 1000 * (1 + zlib.crc32(rid.encode()))
+    return ScheduleRequest(rid, tuple(range(base, base + -(-tokens // BS))), tokens, BS, out)
 
 
 def report_running(s, node, at, seqs, tbt):

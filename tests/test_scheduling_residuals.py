@@ -133,6 +133,9 @@ def req(rid, tokens, out=8):
     return ScheduleRequest(rid, tuple(range(1000, 1000 + -(-tokens // BS))), tokens, BS, out)
 
 
+STEP = 0.01  # the decode estimator's step in sched()
+
+
 def finish_missing(s, misses, start=0.0, tbt=None, prior=False):
     """One request of 100 tokens (0.1 s predicted) per miss, alone in flight,
     whose first token comes ``miss`` seconds after its prediction."""
@@ -143,7 +146,7 @@ def finish_missing(s, misses, start=0.0, tbt=None, prior=False):
         assert d.predicted_ttft_s == pytest.approx(0.1 + s.ttft_residuals.median("p0", 0, now))
         s.inflight[rid].priced_by_prior = prior
         s.on_prefill_finished("p0", rid, now=now + 0.1 + miss, actual_seconds=0.1)
-        s.on_decode_finished("d0", rid, now + 1.0, measured_tbt_s=tbt)
+        s.on_decode_finished("d0", rid, now + 1.0, None if tbt is None else [STEP] + [tbt] * 2)
         now += 10.0
     return now
 
@@ -177,7 +180,32 @@ def test_tbt_admission_scales_by_the_quantile_log_ratio():
     assert s.tbt_ratio("d0", now) == pytest.approx(2.0)
     r = s.schedule(req("x", 100), now=now)
     assert isinstance(r, Rejection) and r.reason == "tbt_slo"
-    assert r.predicted_tbt_s == pytest.approx(0.02) and r.limit_s == pytest.approx(0.015)
+    # 8 tokens, 7 intervals: the first a step (no hand-off learned), the
+    # other 6 twice the step: (0.01 + 6 x 0.02) / 7.
+    assert r.predicted_tbt_s == pytest.approx(0.13 / 7) and r.limit_s == pytest.approx(0.015)
+
+
+def test_a_short_reply_is_priced_by_its_hand_off_a_long_one_by_its_steps():
+    # Replies whose first interval took 0.05 s (a step of 0.01 s plus a
+    # hand-off of 0.04 s) and the rest 0.01 s each: no step residual, a
+    # hand-off residual of 0.04 s.  A 2-token reply's one interval is the
+    # hand-off (0.05 s > SLO 0.03 s); a 41-token reply's mean is
+    # 0.01 + 0.04 / 40 = 0.011 s.
+    s = sched(ttft_slo_s=30.0, tbt_slo_s=0.03)
+    now = 0.0
+    for i in range(4):
+        d = s.schedule(req(f"h{i}", 100), now=now)
+        s.on_prefill_finished("p0", d.request_id, now=now + 0.1, actual_seconds=0.1)
+        s.on_decode_finished("d0", d.request_id, now + 1.0, [0.05, STEP, STEP])
+        now += 10.0
+    assert s.tbt_ratio("d0", now) == pytest.approx(1.0)
+    assert s.handoff_s("d0", now) == pytest.approx(0.04)
+    short = s.schedule(req("short", 100, out=2), now=now)
+    assert isinstance(short, Rejection) and short.reason == "tbt_slo"
+    assert short.predicted_tbt_s == pytest.approx(0.05)
+    long = s.schedule(req("long", 100, out=41), now=now)
+    assert not isinstance(long, Rejection)
+    assert long.predicted_tbt_s == pytest.approx(0.011)
 
 
 def test_the_simulator_runs_the_conductors_configuration():
@@ -188,7 +216,7 @@ def test_the_simulator_runs_the_conductors_configuration():
     for f in fields(SchedulerConfig):
         if f.name != "policy_params":
             assert getattr(conductor, f.name) == getattr(default, f.name), f.name
-    assert conductor.policy_params == {"kvcache_balancing_threshold": 1.5}
+    assert conductor.policy_params == {"kvcache_balancing_threshold": 1.0}
 
 
 def test_trust_ages_with_the_samples_so_a_refusing_window_cannot_last_for_ever():

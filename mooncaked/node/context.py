@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -13,6 +14,7 @@ from prometheus_client import ProcessCollector, PlatformCollector
 from mooncaked import __version__
 from mooncaked.node.config import NodeConfig
 from mooncaked.node.membership import ConductorLocator
+from mooncaked.node.messages import NodeCapacity, NodeLoad, NodeRegistration
 
 
 @dataclass
@@ -34,10 +36,11 @@ class NodeContext:
     # "collections" (the soak benchmark watches them): () -> {name: count}.
     # Keep each cheap: it runs on every status request.
     collection_sizes: list[Callable[[], dict[str, int]]] = field(default_factory=list)
-    # What this node reports in heartbeats: () -> dict.
-    load_providers: list[Callable[[], dict[str, Any]]] = field(default_factory=list)
-    # Capacity announced at registration (merged dicts).
-    capacity: dict[str, Any] = field(default_factory=dict)
+    # What this node reports in heartbeats: each role's part of the report,
+    # () -> NodeLoad with that role's fields (``load`` merges them).
+    load_providers: list[Callable[[], NodeLoad]] = field(default_factory=list)
+    # Capacity announced at registration (each role sets its own fields).
+    capacity: NodeCapacity = field(default_factory=NodeCapacity)
     # Transfer-engine segment descriptor announced at registration.
     transfer_descriptor: dict[str, Any] = field(default_factory=dict)
     # The conductor a worker talks to: node.conductor_url, or with etcd the
@@ -71,17 +74,18 @@ class NodeContext:
     def uptime_s(self) -> float:
         return time.monotonic() - self.started_monotonic
 
-    def load(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for provider in self.load_providers:
-            out.update(provider())
-        out["draining"] = self.draining
-        return out
+    def load(self) -> NodeLoad:
+        """The load report: every role's part, and whether the node drains."""
+        parts = (provider() for provider in self.load_providers)
+        return functools.reduce(NodeLoad.merged, parts, NodeLoad(draining=self.draining))
 
-    def registration(self) -> dict[str, Any]:
-        return {"node_id": self.node_id, "role": self.role, "url": self.url,
-                "capacity": self.capacity, "transfer": self.transfer_descriptor,
-                "load": self.load()}
+    def registration(self) -> NodeRegistration:
+        """What this node registers with (the conductor, and etcd), checked as
+        the conductor decodes it: a bad field fails at start, named."""
+        info = NodeRegistration(node_id=self.node_id, role=self.role, url=self.url,
+                                capacity=self.capacity, transfer=self.transfer_descriptor,
+                                load=self.load())
+        return NodeRegistration.from_wire(info.to_wire())
 
 
 CTX = web.AppKey("ctx", NodeContext)

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from mooncaked.node.internal_client import InternalCallError, InternalClient
-from mooncaked.node.messages import Deregistration, Heartbeat, NodeRegistration, Route
+from mooncaked.node.messages import (Deregistration, Heartbeat, NodeCapacity, NodeLoad,
+                                     NodeRegistration, Route)
 from mooncaked.node.tasks import cancel_and_wait, wait_woken
 
 if TYPE_CHECKING:
@@ -36,17 +37,17 @@ class NodeRecord:
     node_id: str
     role: str
     url: str                      # base URL of the node's HTTP server
-    capacity: dict[str, Any]      # e.g. store pages, max batch
+    capacity: NodeCapacity        # e.g. store pages, max batch
     transfer: dict[str, Any]      # transfer-engine segment descriptor (wire form)
     registered_at: float
     last_seen: float
-    load: dict[str, Any] = field(default_factory=dict)
+    load: NodeLoad = field(default_factory=NodeLoad)
     alive: bool = True
 
     def to_dict(self, now: float) -> dict[str, Any]:
         return {
             "node_id": self.node_id, "role": self.role, "url": self.url,
-            "alive": self.alive, "capacity": self.capacity, "load": self.load,
+            "alive": self.alive, "capacity": self.capacity.to_wire(), "load": self.load.to_wire(),
             "seconds_since_heartbeat": round(now - self.last_seen, 3),
             "transfer_endpoints": [f"{n.get('host')}:{n.get('port')}"
                                    for n in self.transfer.get("nics", [])],
@@ -77,8 +78,8 @@ class NodeRegistry:
             info = NodeRegistration.from_wire(info)
         record = NodeRecord(
             node_id=info.node_id, role=info.role, url=info.url.rstrip("/"),
-            capacity=dict(info.capacity), transfer=dict(info.transfer),
-            registered_at=now, last_seen=now, load=dict(info.load))
+            capacity=info.capacity, transfer=dict(info.transfer),
+            registered_at=now, last_seen=now, load=info.load)
         previous = self._nodes.get(record.node_id)
         self._nodes[record.node_id] = record
         if previous is not None and previous.alive:
@@ -88,13 +89,17 @@ class NodeRegistry:
         self._emit("joined", record)
         return record
 
-    def heartbeat(self, node_id: str, load: dict[str, Any], now: float) -> bool:
-        """False when the node is unknown or was declared dead: it must re-register."""
+    def heartbeat(self, node_id: str, load: NodeLoad | Mapping[str, Any], now: float) -> bool:
+        """False when the node is unknown or was declared dead: it must re-register.
+        ``load`` as it came off the wire is decoded here (a bad one raises
+        MessageError and changes nothing)."""
+        if not isinstance(load, NodeLoad):
+            load = NodeLoad.from_wire(load)
         record = self._nodes.get(node_id)
         if record is None or not record.alive:
             return False
         record.last_seen = now
-        record.load = dict(load)
+        record.load = load
         self._emit("heartbeat", record)
         return True
 
@@ -156,8 +161,8 @@ class MembershipClient:
     """Registers this node with the conductor and keeps it alive there."""
 
     def __init__(self, *, conductor_url: str | ConductorLocator,
-                 info_fn: Callable[[], dict[str, Any]],
-                 load_fn: Callable[[], dict[str, Any]], interval_s: float,
+                 info_fn: Callable[[], NodeRegistration],
+                 load_fn: Callable[[], NodeLoad], interval_s: float,
                  connect_timeout_s: float, token: str = "",
                  discovery: Callable[[Callable[[ConductorRecord], None]], EtcdDiscovery]
                  | None = None) -> None:
@@ -180,14 +185,10 @@ class MembershipClient:
     def conductor_url(self) -> str:
         return self.locator.url
 
-    def _registration(self) -> NodeRegistration:
-        # Decoded here as the conductor will: a bad descriptor fails at start, named.
-        return NodeRegistration.from_wire(self.info_fn())
-
     async def _register_once(self) -> None:
         assert self._client is not None
         try:
-            await self._client.send(self.conductor_url + Route.NODE_REGISTER, self._registration(),
+            await self._client.send(self.conductor_url + Route.NODE_REGISTER, self.info_fn(),
                                     what="registration")
         except InternalCallError as exc:
             if exc.status is None:
@@ -248,7 +249,7 @@ class MembershipClient:
 
     async def _heartbeat_loop(self) -> None:
         failures = 0
-        node_id = self._registration().node_id
+        node_id = self.info_fn().node_id
         while True:
             await wait_woken(self._leader_changed, self.interval_s)
             try:
@@ -274,7 +275,7 @@ class MembershipClient:
             if self.registered:
                 try:
                     await self._client.send(self.conductor_url + Route.NODE_DEREGISTER,
-                                            Deregistration(node_id=self._registration().node_id),
+                                            Deregistration(node_id=self.info_fn().node_id),
                                             what="deregistration", check_status=False)
                 except InternalCallError:
                     pass  # conductor gone: it will time us out

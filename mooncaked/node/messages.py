@@ -32,13 +32,14 @@ Routes (``Route``; POST unless marked GET), request -> reply:
                  /internal/cache/snapshot      CacheSnapshot      -> Ok
                  /internal/cache/events        CacheEvents        -> CacheEventsAck
 
-Node capacity and load reports stay open JSON objects: each role adds its
-own keys and the conductor reads the few it knows, with defaults; lists of
-records in them are typed (a decode node's ``sequences``: ``DecodeSeqLoad``,
-``recent_steps``: ``DecodeStepSample``).  So does
-the transfer descriptor in a registration: the conductor only passes it on,
-and the peer that resolves a segment decodes it (``SegmentDescriptor``,
-rdma's own typed descriptor, re-exported here).
+A node's capacity (``NodeCapacity``, in its registration) and load
+(``NodeLoad``, in its registration and every heartbeat) are one message each
+for every role: each role fills its own fields and leaves the others None,
+which the JSON leaves out (a colocated node fills the prefill and the decode
+ones).  The transfer descriptor in a registration stays an open JSON object:
+the conductor only passes it on, and the peer that resolves a segment
+decodes it (``SegmentDescriptor``, rdma's own typed descriptor, re-exported
+here).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping, NamedTuple, Self
 
+from kvstore.layout import PageLayout
 from model.sampling import SamplingParams
 # Re-exported: GET /internal/segments/{name} answers with one.
 from rdma.descriptors import SegmentDescriptor as SegmentDescriptor
@@ -198,9 +200,11 @@ def json_object(v: Any, where: str) -> dict[str, Any]:
     return v
 
 
-def numbers_by_name(v: Any, where: str) -> dict[str, float]:
-    """An object of numbers (e.g. timings in seconds)."""
-    return {k: number(x, f"{where}.{k}") for k, x in json_object(v, where).items()}
+def by_name(item: Check) -> Check:
+    """An object whose values are each ``item`` (e.g. seconds per request id)."""
+    def check(v: Any, where: str) -> dict[str, Any]:
+        return {k: item(x, f"{where}.{k}") for k, x in json_object(v, where).items()}
+    return check
 
 
 def message(cls: type[Message]) -> Check:
@@ -249,6 +253,25 @@ def sampling(v: Any, where: str) -> SamplingParams:
         raise MessageError(where, str(exc)) from None
 
 
+# A worker's KV page layout (kvstore.layout.PageLayout, in its capacity) goes
+# as its fields; the ranges are its own __post_init__'s.
+_PAGE_LAYOUT = {"num_layers": integer(1), "block_size": integer(1), "num_kv_heads": integer(1),
+                "head_dim": integer(1), "dtype": string}
+
+
+def page_layout(v: Any, where: str) -> PageLayout:
+    obj = json_object(v, where)
+    values = {}
+    for key, check in _PAGE_LAYOUT.items():
+        if key not in obj:
+            raise MessageError(f"{where}.{key}", "missing")
+        values[key] = check(obj[key], f"{where}.{key}")
+    try:
+        return PageLayout(**values)
+    except ValueError as exc:
+        raise MessageError(where, str(exc)) from None
+
+
 # -- messages -------------------------------------------------------------------
 
 def wire(check: Check, default: Any = dataclasses.MISSING, *,
@@ -259,11 +282,21 @@ def wire(check: Check, default: Any = dataclasses.MISSING, *,
                              metadata={"check": check, "omit_none": omit_none})
 
 
+def reported(check: Check) -> Any:
+    """A field of a capacity or load report that only some roles fill: None
+    (and left out of the JSON) on a node that does not report it."""
+    return wire(optional(check), None, omit_none=True)
+
+
 def _to_wire(v: Any) -> Any:
     if isinstance(v, Message):
         return v.to_wire()
     if isinstance(v, SamplingParams):
         return sampling_to_wire(v)
+    if isinstance(v, PageLayout):
+        return v.to_dict()
+    if isinstance(v, list) and v and isinstance(v[0], Message):
+        return [x.to_wire() for x in v]  # (a list of token ids is passed as it is)
     return v
 
 
@@ -509,6 +542,29 @@ class StoredBlocks(Message):
 
 
 @dataclass
+class PrefillTimings(Message):
+    """Where a prefill's time went, in seconds, as its node measured it (the
+    job fills it in as it goes: not frozen).  0.0: none of it (no fetch, no
+    layer streamed, not batched)."""
+    queue_s: float = wire(seconds, 0.0)              # queued on the node
+    fetch_s: float = wire(seconds, 0.0)              # pulling the prefix from a peer
+    # Its own compute: its chunks (not the decode steps a colocated node ran
+    # between them), or its share of a batched pass.
+    compute_s: float = wire(seconds, 0.0)
+    transfer_wait_s: float = wire(seconds, 0.0)      # KV sends still running after compute
+    first_layer_sent_s: float = wire(seconds, 0.0)   # compute start to the first layer sent
+    total_s: float = wire(seconds, 0.0)              # the job on the node, queue excepted
+    # The compute thread's CPU seconds for it; None from a node that does not say.
+    compute_cpu_s: float | None = wire(optional(seconds), None, omit_none=True)
+    # Of a batched pass: the time spent on the requests ahead of it, and behind it.
+    batched_ahead_s: float = wire(seconds, 0.0)
+    batched_behind_s: float = wire(seconds, 0.0)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {k: round(v, 6) for k, v in super().to_wire().items()}
+
+
+@dataclass
 class PrefillReply(Message):
     """Prefill node -> conductor: the first token (that is the TTFT) and how
     the prompt was served.  The job fills it in as it goes (not frozen)."""
@@ -519,7 +575,7 @@ class PrefillReply(Message):
     fetched_tokens: int = wire(integer(), 0)
     computed_tokens: int = wire(integer(), 0)
     fetch_failed: str = wire(string, "")
-    timings: dict[str, float] = wire(numbers_by_name, factory=dict)
+    timings: PrefillTimings = wire(message(PrefillTimings), factory=PrefillTimings)
     cpp: CppSummary | None = wire(message(CppSummary), None, omit_none=True)
     stored: StoredBlocks | None = wire(message(StoredBlocks), None, omit_none=True)
 
@@ -530,7 +586,6 @@ class PrefillReply(Message):
     def to_wire(self) -> dict[str, Any]:
         out = super().to_wire()
         out["cached_tokens"] = self.cached_tokens  # for readers of the raw JSON
-        out["timings"] = {k: round(v, 6) for k, v in self.timings.items()}
         return out
 
 
@@ -657,6 +712,130 @@ NODE_ROLES = ("prefill", "decode", "colocated")
 
 
 @dataclass(frozen=True)
+class NodeCapacity(Message):
+    """What a node announces it holds when it registers.  Every field is
+    ``reported``: None where the node's role has none of it.
+
+    Unknown keys are ignored, as in every message, and here it matters:
+    registrations are kept in etcd and read back by whichever conductor
+    leads, so in a rolling upgrade a node may announce fields its conductor
+    does not know yet (docs/DEPLOY.md, "Rolling restarts")."""
+    WHERE = "capacity"
+    # The worker's store shard (prefill, decode, colocated).
+    pages: int | None = reported(integer())
+    block_size: int | None = reported(integer(1))
+    page_bytes: int | None = reported(integer(1))
+    # Whole-model KV per token: what a transfer of a prefix moves.
+    kv_bytes_per_token: int | None = reported(integer(1))
+    layout: PageLayout | None = reported(page_layout)
+    region: int | None = reported(integer())
+    layers: list[int] | None = reported(integers())   # [first, end) this node computes
+    # A prefill node on cores these decode nodes have first call on (prefill.yields_to).
+    yields_to: list[str] | None = reported(list_of(name))
+    # A CPP stage: stage ``cpp_stage`` of the ``cpp_stages``-node group ``cpp_group``.
+    cpp_group: str | None = reported(name)
+    cpp_stage: int | None = reported(integer())
+    cpp_stages: int | None = reported(integer(2))
+    # A decode node: the most sequences it runs at once.
+    max_batch: int | None = reported(integer(1))
+    # A colocated node: the tokens of a prefill chunk while decode sequences
+    # run (WorkerNode.interleave_tokens): each decode step then waits for
+    # one such chunk, and each chunk for one step.
+    interleave_tokens: int | None = reported(integer(1))
+
+    @classmethod
+    def from_wire(cls, obj: Any, where: str | None = None) -> Self:
+        """Also checks that a CPP stage says which stage of which group it is."""
+        cap = super().from_wire(obj, where)
+        group, stage, stages = cap.cpp_group, cap.cpp_stage, cap.cpp_stages
+        if group is None and stage is None and stages is None:
+            return cap
+        if group is None or stage is None or stages is None:
+            raise MessageError(f"{cls._path(where)}.cpp_group",
+                               "a CPP stage reports cpp_group, cpp_stage and cpp_stages together")
+        if stage >= stages:
+            raise MessageError(f"{cls._path(where)}.cpp_stage",
+                               f"expected a stage below {stages}, got {stage}")
+        return cap
+
+
+@dataclass(frozen=True)
+class DecodeSeqLoad(Message):
+    """One sequence in a decode node's load report (``NodeLoad.sequences``):
+    running or queued to join the batch, with the KV positions it holds and
+    how many tokens it may still generate (max_tokens minus generated)."""
+    WHERE = "load.sequences[]"
+    request_id: str = wire(name)
+    context_tokens: int = wire(integer())
+    generated_tokens: int = wire(integer())
+    max_tokens: int = wire(integer(1))
+
+
+@dataclass(frozen=True)
+class DecodeStepSample(Message):
+    """One measured decode step (``NodeLoad.recent_steps``): ``step`` is
+    the node's step counter, so a receiver can skip steps it has seen."""
+    WHERE = "load.recent_steps[]"
+    step: int = wire(integer())
+    batch: int = wire(integer(1))
+    context_tokens: int = wire(integer())
+    seconds: float = wire(number)
+
+
+@dataclass(frozen=True)
+class NodeLoad(Message):
+    """A node's load report, in its registration and every heartbeat.  Each
+    role's part (``PrefillService.load``, ``DecodeBatcher.load``) fills its
+    own fields and leaves the rest None; the node merges them (``merged``)
+    and adds ``draining``.  Unknown keys are ignored, as in NodeCapacity
+    (a node upgraded before its conductor may report more)."""
+    WHERE = "load"
+    # POST /admin/drain (or shutting down): finish what it holds, take nothing new.
+    draining: bool | None = reported(boolean)
+
+    # -- a prefill node (PrefillService)
+    queue_len: int | None = reported(integer())            # queued and running requests
+    queued_tokens: int | None = reported(integer())
+    queued_prefill_s: float | None = reported(seconds)     # queued_tokens at the measured rate
+    prefill_tokens_per_s: float | None = reported(number)
+    # What queued_prefill_s holds, so the conductor knows which bookings it covers.
+    request_ids: list[str] | None = reported(list_of(name))
+    # Seconds each running request has been computing (a batched pass: its
+    # share), and the compute thread's CPU seconds spent on it.
+    running_s: dict[str, float] | None = reported(by_name(seconds))
+    running_cpu_s: dict[str, float] | None = reported(by_name(seconds))
+    batches: int | None = reported(integer())
+    batched_requests: int | None = reported(integer())
+    batch_joins_declined: int | None = reported(integer())
+    completed: int | None = reported(integer())
+    failed: int | None = reported(integer())
+
+    # -- a decode node (DecodeBatcher)
+    batch_size: int | None = reported(integer())           # sequences running
+    waiting: int | None = reported(integer())              # started, waiting to join the batch
+    reservations: int | None = reported(integer())
+    free_pages: int | None = reported(integer())
+    fenced_pages: int | None = reported(integer())
+    recent_tbt_s: float | None = reported(seconds)         # median of recent steps
+    context_tokens: int | None = reported(integer())       # KV positions of the running batch
+    tokens_out: int | None = reported(integer())
+    steps: int | None = reported(integer())
+    # Contiguous KV copies of running sequences (decode.contiguous_kv_mb).
+    mirrored: int | None = reported(integer())
+    mirror_bytes: int | None = reported(integer())
+    mirror_budget_bytes: int | None = reported(integer())
+    # What the conductor predicts the node's load at a future instant from:
+    # every started sequence, and recent steps.
+    sequences: list[DecodeSeqLoad] | None = reported(list_of(message(DecodeSeqLoad)))
+    recent_steps: list[DecodeStepSample] | None = reported(list_of(message(DecodeStepSample)))
+
+    def merged(self, other: NodeLoad) -> NodeLoad:
+        """This report with the fields ``other`` reports (not None) in place of its own."""
+        return dataclasses.replace(self, **{f.name: v for f in _fields(NodeLoad)
+                                            if (v := getattr(other, f.name)) is not None})
+
+
+@dataclass(frozen=True)
 class NodeRegistration(Message):
     """A node's descriptor: who it is, where it listens, what it holds, and
     its transfer segment's wire descriptor (served as is by the conductor;
@@ -665,9 +844,9 @@ class NodeRegistration(Message):
     node_id: str = wire(name)
     role: str = wire(one_of(*NODE_ROLES))
     url: str = wire(name)
-    capacity: dict[str, Any] = wire(json_object, factory=dict)
+    capacity: NodeCapacity = wire(message(NodeCapacity), factory=NodeCapacity)
     transfer: dict[str, Any] = wire(json_object, factory=dict)
-    load: dict[str, Any] = wire(json_object, factory=dict)
+    load: NodeLoad = wire(message(NodeLoad), factory=NodeLoad)
 
 
 @dataclass(frozen=True)
@@ -680,30 +859,7 @@ class RegistrationAck(Message):
 class Heartbeat(Message):
     WHERE = "heartbeat"
     node_id: str = wire(name)
-    load: dict[str, Any] = wire(json_object, factory=dict)
-
-
-@dataclass(frozen=True)
-class DecodeSeqLoad(Message):
-    """One sequence in a decode node's load report (heartbeat ``load.sequences``):
-    running or queued to join the batch, with the KV positions it holds and
-    how many tokens it may still generate (max_tokens minus generated)."""
-    WHERE = "load.sequences[]"
-    request_id: str = wire(name)
-    context_tokens: int = wire(integer())
-    generated_tokens: int = wire(integer())
-    max_tokens: int = wire(integer(1))
-
-
-@dataclass(frozen=True)
-class DecodeStepSample(Message):
-    """One measured decode step (heartbeat ``load.recent_steps``): ``step`` is
-    the node's step counter, so a receiver can skip steps it has seen."""
-    WHERE = "load.recent_steps[]"
-    step: int = wire(integer())
-    batch: int = wire(integer(1))
-    context_tokens: int = wire(integer())
-    seconds: float = wire(number)
+    load: NodeLoad = wire(message(NodeLoad), factory=NodeLoad)
 
 
 @dataclass(frozen=True)

@@ -82,8 +82,10 @@ class ConductorSection:
     ttft_slo_s: float = 1.0
     # Time between tokens, in milliseconds, that a request is admitted against the same way: its mean token interval (the inter-token latency vLLM and aiperf report).
     tbt_slo_ms: float = 100.0
-    # Fetch a remote prefix only when best_len / local_len exceeds this ratio.
-    kvcache_balancing_threshold: float = 1.5
+    # Pull a longer prefix from another node when best_len / local_len
+    # exceeds this ratio (Algorithm 1's cache load balancing), else recompute
+    # from the local prefix.  1.0 = whenever another node holds more.
+    kvcache_balancing_threshold: float = 1.0
     # Largest prompt accepted, in tokens (413 above).
     max_prompt_tokens: int = 32768
     # Largest request body accepted, in bytes (413 above).
@@ -171,6 +173,12 @@ class PrefillSection:
     batch_within_predictions: bool = True
     # Largest number of requests waiting in the prefill queue (503 above).
     max_queue: int = 256
+    # On a node that also decodes (colocated), while decode sequences are
+    # running a prefill computes in the fewest whole blocks whose fixed
+    # per-chunk cost (measured at start) is at most this share of the
+    # chunk's time: a decode step waits for one such chunk, not a whole
+    # model.prefill_chunk.  0 = always model.prefill_chunk.
+    interleave_overhead: float = 0.2
     # Give up on a peer prefix fetch after this long and recompute instead.
     fetch_timeout_s: float = 10.0
     # Chunked Pipeline Parallelism: this node is stage `cpp_stage` of the
@@ -197,6 +205,8 @@ class PrefillSection:
             raise ValueError("prefill.max_queue and prefill.batch_tokens must be positive")
         if self.fetch_timeout_s <= 0:
             raise ValueError("prefill.fetch_timeout_s must be positive")
+        if not 0 <= self.interleave_overhead < 1:
+            raise ValueError("prefill.interleave_overhead must be in [0, 1)")
         if self.cpp_stages < 1 or not 0 <= self.cpp_stage < self.cpp_stages:
             raise ValueError("prefill.cpp_stage must be in [0, prefill.cpp_stages)")
         if (self.cpp_stages > 1) != bool(self.cpp_group):

@@ -44,7 +44,7 @@ def register(app: typer.Typer) -> None:
         ttft_slo: float = typer.Option(30.0, help="TTFT SLO, seconds"),
         tbt_slo: float = typer.Option(100.0, help="TBT SLO, milliseconds"),
         rate_scale: float = typer.Option(1.0, help="multiply the trace's request rate"),
-        threshold: float = typer.Option(1.5, help="kvcache_balancing_threshold"),
+        threshold: float = typer.Option(1.0, help="kvcache_balancing_threshold"),
         reject: bool = typer.Option(False, help="early rejection on predicted SLO miss"),
         max_requests: int = typer.Option(0, help="replay only the first N (0 = all)"),
         out: Optional[Path] = typer.Option(None, help="write result.json and PNGs here"),

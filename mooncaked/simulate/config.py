@@ -97,7 +97,7 @@ class SimConfig:
     decode: int = 8
     policy: str = "mooncake"
     policy_params: dict = field(default_factory=dict)
-    kvcache_balancing_threshold: float = 1.5
+    kvcache_balancing_threshold: float = 1.0
     cache_tokens_per_node: int = 3_000_000  # ~1 TB DRAM of LLaMA3-70B KV; -1: unbounded
     model_profile: str = "llama3-70b-8xa800"
     nic_gbps: float = 0.0  # 0: the profile's

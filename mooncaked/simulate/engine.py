@@ -206,6 +206,7 @@ class Simulation:
                 self.push(start + dur, XFER_DONE, r, (nbytes, dur))
         r.local_prefix_tokens = sreq.prefix_tokens(local_blocks)
         r.prefix_tokens = sreq.prefix_tokens(reused_blocks)
+        r.planned_local_blocks = planned
         if self.colocated:
             dn = self.decodes[d.prefill_node]
             r.pos = r.prefix_tokens
@@ -246,6 +247,7 @@ class Simulation:
                 self.push(soonest, WAKE, node)
             return
         node.queue.remove(pick)
+        self._look_up_at_start(node, pick)
         node.busy = True
         node.running = pick
         dur = self.hw.prefill_s(node.nid, pick.t.input_length, pick.prefix_tokens)
@@ -255,6 +257,26 @@ class Simulation:
         node.served += 1
         self.scheduler.on_prefill_started(node.nid, pick.rid, now)
         self.push(now + dur, PREFILL_DONE, node, pick)
+
+    def _look_up_at_start(self, node: PrefillNode, r: Req) -> None:
+        """A prefill node looks its prefix up when a request starts: blocks a
+        prefill queued ahead stored meanwhile are reused (what the decision
+        counted on when it sent the request behind it).  A request whose
+        pull moved blocks keeps what it has."""
+        if r.pulled:
+            return
+        held = len(r.pinned)
+        if r.planned_local_blocks <= held:
+            return
+        more = node.store.prefix_blocks(r.t.hash_ids[:r.planned_local_blocks])
+        if more <= held:
+            return
+        extra = r.t.hash_ids[held:more]
+        node.store.pin(extra)
+        node.store.touch(extra)
+        r.pinned = r.pinned + extra
+        r.local_prefix_tokens = r.sreq.prefix_tokens(more)
+        r.prefix_tokens = r.local_prefix_tokens
 
     def _wake(self, now: float, node: PrefillNode, _b: object) -> None:
         if node.wake_at <= now:

@@ -39,6 +39,9 @@ class Req:
     # have evicted some the scheduler's index still lists)
     # colocated: next position to prefill
     pos: int = 0
+    # Leading blocks the decision counted as local: some may be stored by a
+    # prefill queued ahead on the node only by the time this one starts.
+    planned_local_blocks: int = 0
 
 
 class PrefillNode:

@@ -23,7 +23,7 @@ from mooncaked.node.errors import ApiError
 from mooncaked.node.internal_client import read_message, reply
 from mooncaked.node.membership import NodeRecord, NodeRegistry
 from mooncaked.node.messages import (CacheEvents, CacheEventsAck, CacheSnapshot, DecodeSeqLoad,
-                                     DecodeStepSample, MessageError, Ok, Route, StoredBlocks)
+                                     DecodeStepSample, Ok, Route, StoredBlocks)
 from roles.scheduling.estimators import (DecodeEstimator, PipelinePrefillEstimator,
                                          PolynomialPrefillEstimator, TransferEstimator)
 from roles.scheduling.scheduler import Scheduler, scheduler_config
@@ -80,25 +80,25 @@ class ClusterView:
         node = record.node_id
         if event == "joined":
             cap = record.capacity
-            block_size = int(cap.get("block_size", 0))
+            block_size = cap.block_size or 0
             if self.block_size is None:
                 self.block_size = block_size
-                sched.config.kv_bytes_per_token = int(cap.get("kv_bytes_per_token", 1))
+                sched.config.kv_bytes_per_token = cap.kv_bytes_per_token or 1
             elif block_size != self.block_size:
                 log.error("node %s uses block size %d, the cluster %d: ignored", node, block_size,
                           self.block_size)
                 return
             self.epochs.pop(node, None)
             sched.index.remove_node(node)
-            if cap.get("cpp_group"):
+            if cap.cpp_group is not None:
                 self._join_group(record)
                 return
             if record.role in ("prefill", "colocated"):
-                sched.add_prefill_node(node, cache_capacity_blocks=int(cap.get("pages", 0)),
-                                       yields_to=_node_ids(cap.get("yields_to")))
+                sched.add_prefill_node(node, cache_capacity_blocks=cap.pages or 0,
+                                       yields_to=tuple(cap.yields_to or ()),
+                                       interleave_tokens=cap.interleave_tokens or 0)
             if record.role in ("decode", "colocated"):
-                sched.add_decode_node(node, page_budget=int(cap.get("pages", 0)),
-                                      page_tokens=block_size)
+                sched.add_decode_node(node, page_budget=cap.pages or 0, page_tokens=block_size)
         elif event in ("left", "dead"):
             if node in self.group_of:
                 group, stage, _ = self.group_of.pop(node)
@@ -117,22 +117,23 @@ class ClusterView:
             # A draining node (POST /admin/drain, or shutting down) finishes
             # what it holds and is sent nothing new.
             if node in sched.prefill:
-                sched.prefill[node].accepting = not load.get("draining", False)
+                sched.prefill[node].accepting = not load.draining
             if node in sched.decode:
-                sched.decode[node].accepting = not load.get("draining", False)
+                sched.decode[node].accepting = not load.draining
             sched.on_node_report(node, NodeReport(
-                at=time.monotonic(), queued_prefill_s=load.get("queued_prefill_s"),
-                batch_size=load.get("batch_size"), context_tokens=load.get("context_tokens"),
-                free_pages=None, recent_tbt_s=load.get("recent_tbt_s") or None,
-                prefill_requests=_request_ids(load.get("request_ids")),
-                prefill_running_s=_running_s(load.get("running_s")),
-                prefill_worked_s=_running_s(load.get("running_cpu_s")),
-                decode_sequences=_decode_sequences(load.get("sequences")),
-                decode_steps=_decode_steps(load.get("recent_steps"))), time.monotonic())
+                at=time.monotonic(), queued_prefill_s=load.queued_prefill_s,
+                batch_size=load.batch_size, context_tokens=load.context_tokens,
+                free_pages=None, recent_tbt_s=load.recent_tbt_s or None,
+                prefill_requests=None if load.request_ids is None else frozenset(load.request_ids),
+                prefill_running_s=load.running_s, prefill_worked_s=load.running_cpu_s,
+                decode_sequences=_decode_sequences(load.sequences),
+                decode_steps=_decode_steps(load.recent_steps)), time.monotonic())
 
     def _join_group(self, record: NodeRecord) -> None:
         cap = record.capacity
-        group, stage, stages = str(cap["cpp_group"]), int(cap["cpp_stage"]), int(cap["cpp_stages"])
+        # NodeCapacity has all three or none.
+        group, stage, stages = cap.cpp_group, cap.cpp_stage, cap.cpp_stages
+        assert group is not None and stage is not None and stages is not None
         self.group_of[record.node_id] = (group, stage, stages)
         members = self.groups.setdefault(group, {})
         members[stage] = record.node_id
@@ -141,7 +142,7 @@ class ClusterView:
             self.scheduler.add_prefill_group(
                 name, tuple(members[s] for s in range(stages)),
                 PipelinePrefillEstimator(self.scheduler.prefill_est, stages, self.prefill_chunk),
-                cache_capacity_blocks=int(cap.get("pages", 0)))
+                cache_capacity_blocks=cap.pages or 0)
             self.scheduler.index.remove_node(name)
             self.epochs.pop(name, None)
             log.info("pipeline group %s complete: %d stages %s", group, stages,
@@ -258,59 +259,14 @@ def add_cache_routes(app: web.Application) -> None:
     app.router.add_post(Route.CACHE_EVENTS, events)
 
 
-def _request_ids(value: object) -> frozenset[str] | None:
-    """A prefill node's reported request ids (heartbeat load), if well formed."""
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        return None
-    return frozenset(value)
-
-
-def _node_ids(value: object) -> tuple[str, ...]:
-    """A node's ``yields_to`` capacity: the decode nodes whose cores it
-    borrows; anything but a list of names counts as none (logged)."""
-    if value is None:
-        return ()
-    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-        log.warning("ignoring a malformed yields_to capacity %r", value)
-        return ()
-    return tuple(value)
-
-
-def _running_s(value: object) -> dict[str, float] | None:
-    """A prefill node's seconds per running request (running, or CPU spent
-    on it), if well formed (finite, >= 0); a malformed figure is dropped,
-    not half-used."""
-    if not isinstance(value, dict):
-        return None
-    out = {}
-    for rid, secs in value.items():
-        if not isinstance(rid, str) or isinstance(secs, bool) \
-                or not isinstance(secs, (int, float)) or not 0 <= secs < float("inf"):
-            return None
-        out[rid] = float(secs)
-    return out
-
-
-def _decode_sequences(value: object) -> dict[str, RunningSeq] | None:
-    """A decode node's reported sequences (heartbeat load), None if absent or malformed."""
-    if not isinstance(value, list):
-        return None
-    try:
-        seqs = [DecodeSeqLoad.from_wire(v) for v in value]
-    except MessageError as exc:
-        log.warning("ignoring a malformed decode load report: %s", exc)
+def _decode_sequences(seqs: list[DecodeSeqLoad] | None) -> dict[str, RunningSeq] | None:
+    """A decode node's reported sequences by request id (None: not reported)."""
+    if seqs is None:
         return None
     return {s.request_id: RunningSeq(s.context_tokens, max(0, s.max_tokens - s.generated_tokens))
             for s in seqs}
 
 
-def _decode_steps(value: object) -> tuple[DecodeStep, ...]:
-    """A decode node's reported recent steps (heartbeat load); () if absent or malformed."""
-    if not isinstance(value, list):
-        return ()
-    try:
-        steps = [DecodeStepSample.from_wire(v) for v in value]
-    except MessageError as exc:
-        log.warning("ignoring malformed decode step samples: %s", exc)
-        return ()
-    return tuple(DecodeStep(s.step, s.batch, s.context_tokens, s.seconds) for s in steps)
+def _decode_steps(steps: list[DecodeStepSample] | None) -> tuple[DecodeStep, ...]:
+    """A decode node's reported recent steps (() if not reported)."""
+    return tuple(DecodeStep(s.step, s.batch, s.context_tokens, s.seconds) for s in steps or ())

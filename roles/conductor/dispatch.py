@@ -452,16 +452,15 @@ class Dispatcher:
             if reserved and not stream_done and decode is not None:
                 await self._cancel(decode.url + Route.DECODE_CANCEL, request_id)
             if booked:
-                # A stream that ran to its end measured the decode node's TBT
-                # as the client gets it, which the node's TBT residuals learn
-                # from: the mean of its token intervals (the inter-token
-                # latency vLLM and aiperf score a request by).  The longest
-                # of a short reply's intervals is one stall (a prefill chunk
-                # between decode steps on a colocated node), not its pace.
+                # A stream that ran to its end measured the decode node as
+                # the client gets it: its first token interval is the
+                # hand-off from prefill to decode, the others its steps (a
+                # client scores the reply by their mean, its inter-token
+                # latency); the scheduler learns both.
                 intervals = [b - a for a, b in zip(trace.token_times, trace.token_times[1:])]
-                measured = sum(intervals) / len(intervals) \
-                    if stream_done and trace.status == "ok" and intervals else None
-                sched.on_decode_finished(decision.decode_node, request_id, now, measured)
+                sched.on_decode_finished(
+                    decision.decode_node, request_id, now,
+                    intervals if stream_done and trace.status == "ok" else None)
             trace.e2e_s = time.perf_counter() - t0
             trace.completion_tokens = len(trace.token_times)
             times = trace.token_times
@@ -489,22 +488,22 @@ class Dispatcher:
         trace.local_hit_tokens = result.local_hit_tokens
         trace.fetched_tokens = result.fetched_tokens
         trace.fetch_failed = result.fetch_failed
-        trace.prefill_queue_s = timings.get("queue_s", 0.0)
-        trace.prefix_load_s = timings.get("fetch_s", 0.0)
-        trace.prefill_compute_s = timings.get("compute_s", 0.0)
-        trace.kv_transfer_wait_s = timings.get("transfer_wait_s", 0.0)
-        trace.first_layer_sent_s = timings.get("first_layer_sent_s", 0.0)
-        trace.prefill_node_s = timings.get("queue_s", 0.0) + timings.get("total_s", 0.0)
+        trace.prefill_queue_s = timings.queue_s
+        trace.prefix_load_s = timings.fetch_s
+        trace.prefill_compute_s = timings.compute_s
+        trace.kv_transfer_wait_s = timings.transfer_wait_s
+        trace.first_layer_sent_s = timings.first_layer_sent_s
+        trace.prefill_node_s = timings.queue_s + timings.total_s
         trace.cpp = result.cpp.to_wire() if result.cpp is not None else None
         if result.stored is not None:
             # Before the first token goes out: the next decision sees these
             # blocks although the node did not wait to push its events.
             self.cluster.blocks_from_reply(decision.prefill_node, result.stored)
         sched = self.cluster.scheduler
-        work = timings.get("compute_cpu_s")  # absent from a node that does not say
+        work = timings.compute_cpu_s  # None from a node that does not say
         trace.prefill_compute_cpu_s = work or 0.0
-        trace.prefill_batched_ahead_s = timings.get("batched_ahead_s", 0.0)
-        trace.prefill_batched_behind_s = timings.get("batched_behind_s", 0.0)
+        trace.prefill_batched_ahead_s = timings.batched_ahead_s
+        trace.prefill_batched_behind_s = timings.batched_behind_s
         sched.on_prefill_finished(decision.prefill_node, trace.request_id, time.monotonic(),
                                   trace.prefill_compute_s, actual_ttft_s=trace.ttft_s,
                                   actual_prefix_tokens=trace.cached_tokens,

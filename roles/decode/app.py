@@ -14,6 +14,7 @@ POST /internal/decode/cancel    RequestRef -> Cancelled
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import orjson
@@ -126,13 +127,15 @@ def add_decode_service(app: web.Application, ctx: NodeContext) -> None:
                                 contiguous_kv_bytes=cfg.decode.contiguous_kv_mb << 20)
         install_write_guard(worker, batcher)
         app[BATCHER] = batcher
+        worker.start_decode_here = lambda rid, prompt_len, first, sampling, prompt_ids: \
+            batcher.start(rid, prompt_len, first, sampling, prompt_ids, early=True)
         batcher.run()
         ctx.load_providers.append(batcher.load)
-        ctx.status_providers["decode"] = batcher.load
+        ctx.status_providers["decode"] = lambda: batcher.load().to_wire()
         ctx.collection_sizes.append(lambda: {
             "decode_seqs": len(batcher.seqs), "decode_waiting": len(batcher.waiting),
             "decode_running": len(batcher.running), "write_grants": batcher.grants.live})
-        ctx.capacity["max_batch"] = cfg.decode.max_batch
+        ctx.capacity = dataclasses.replace(ctx.capacity, max_batch=cfg.decode.max_batch)
         yield
         await batcher.close()
 

@@ -49,7 +49,7 @@ from model.decode_kv import SeqKV
 from model.runner import DecodeSeq
 from model.sampling import SamplingParams, sample
 from model.structured import GrammarMatcher
-from mooncaked.node.messages import DecodeSeqLoad, DecodeStepSample
+from mooncaked.node.messages import DecodeSeqLoad, DecodeStepSample, NodeLoad
 from mooncaked.node.tasks import cancel_and_wait
 from rdma.guard import PageGrants
 from roles.worker_node import WorkerNode
@@ -77,6 +77,10 @@ class Sequence:
     out: asyncio.Queue | None = None
     finished: str | None = None
     started: bool = False
+    # A generate stream reads its tokens.  A sequence a colocated node's own
+    # prefill started (``start(early=True)``) decodes before the conductor's
+    # DecodeStart attaches to it, and expires like a reservation until then.
+    attached: bool = False
     mirror: SeqKV | None = None  # only while running, within the batcher's budget
 
     @property
@@ -114,6 +118,11 @@ class DecodeBatcher:
         self._stepping: frozenset[str] = frozenset()   # request ids in the step in flight
         self.running: list[Sequence] = []
         self.waiting: deque[Sequence] = deque()
+        # A prefill on the same compute thread (a colocated node) chunks
+        # finer while other requests' sequences are reserved here: running,
+        # waiting to join, or about to (their next step, or a reply's first,
+        # must not wait for a whole prefill_chunk).
+        worker.decoding = lambda request_id: len(self.seqs) > (request_id in self.seqs)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._sweeper: asyncio.Task | None = None
@@ -172,11 +181,25 @@ class DecodeBatcher:
 
     # -- generation ---------------------------------------------------------
     def start(self, request_id: str, prompt_len: int, first_token: int,
-              sampling: SamplingParams, prompt_ids: list[int] | None = None) -> asyncio.Queue:
-        """``prompt_ids``: the prompt, needed when ``sampling.needs_prompt``."""
+              sampling: SamplingParams, prompt_ids: list[int] | None = None,
+              early: bool = False) -> asyncio.Queue:
+        """``prompt_ids``: the prompt, needed when ``sampling.needs_prompt``.
+
+        ``early``: the prefill of this node itself starts the sequence as it
+        samples the first token (a colocated node whose reservation it
+        filled), so its first decode step need not wait for the conductor's
+        round trip; the conductor's own start then attaches to it (the same
+        prompt and first token) and reads the tokens decoded meanwhile."""
         seq = self.seqs.get(request_id)
         if seq is None:
             raise KeyError(f"no reservation for request {request_id} (expired or cancelled)")
+        if seq.started and not seq.attached and not early:
+            if (prompt_len, first_token) != (seq.prompt_len, seq.tokens[0]):
+                raise ValueError(f"request {request_id} started here from another prompt or "
+                                 f"first token")
+            seq.attached = True
+            assert seq.out is not None
+            return seq.out
         if seq.started:
             raise ValueError(f"request {request_id} already started")
         if (prompt_len + sampling.max_tokens) > len(seq.pages) * self.bs:
@@ -190,6 +213,7 @@ class DecodeBatcher:
         seq.grammar = grammar
         seq.prompt_ids = list(prompt_ids or ())
         seq.started = True
+        seq.attached = not early
         seq.prompt_len = prompt_len
         seq.sampling = sampling
         seq.generator = sampling.make_generator()
@@ -314,7 +338,7 @@ class DecodeBatcher:
             await asyncio.sleep(min(1.0, self.reservation_timeout_s / 4))
             now = time.monotonic()
             for seq in list(self.seqs.values()):
-                if not seq.started and now - seq.reserved_at > self.reservation_timeout_s:
+                if not seq.attached and now - seq.reserved_at > self.reservation_timeout_s:
                     log.warning("reservation of %s expired unused after %.0fs (prefill node gone?)",
                                 seq.request_id, self.reservation_timeout_s)
                     self.release(seq.request_id, "expired")
@@ -329,22 +353,23 @@ class DecodeBatcher:
         for fence in fences:
             self.shard.free(fence.pages)
 
-    def load(self) -> dict:
+    def load(self) -> NodeLoad:
+        """The decode part of the node's load report."""
         times = sorted(self.step_times)
-        return {"batch_size": len(self.running), "waiting": len(self.waiting),
-                "reservations": len(self.seqs), "free_pages": self.shard.stats().free_pages,
-                "fenced_pages": sum(len(fence.pages) for fence in self._fenced),
-                "recent_tbt_s": times[len(times) // 2] if times else 0.0,
-                "context_tokens": sum(s.position + 1 for s in self.running),
-                "tokens_out": self.tokens_out, "steps": self.steps,
-                # Contiguous KV copies of running sequences (decode.contiguous_kv_mb).
-                "mirrored": sum(s.mirror is not None for s in self.running),
-                "mirror_bytes": self.mirror_bytes, "mirror_budget_bytes": self.mirror_budget,
-                # What the conductor predicts this node's load at a future
-                # instant from: every started sequence and recent steps.
-                "sequences": [self._seq_load(s).to_wire()
-                              for s in (*self.running, *self.waiting)],
-                "recent_steps": [st.to_wire() for st in self.step_samples]}
+        return NodeLoad(
+            batch_size=len(self.running), waiting=len(self.waiting),
+            reservations=len(self.seqs), free_pages=self.shard.stats().free_pages,
+            fenced_pages=sum(len(fence.pages) for fence in self._fenced),
+            recent_tbt_s=times[len(times) // 2] if times else 0.0,
+            context_tokens=sum(s.position + 1 for s in self.running),
+            tokens_out=self.tokens_out, steps=self.steps,
+            # Contiguous KV copies of running sequences (decode.contiguous_kv_mb).
+            mirrored=sum(s.mirror is not None for s in self.running),
+            mirror_bytes=self.mirror_bytes, mirror_budget_bytes=self.mirror_budget,
+            # What the conductor predicts this node's load at a future
+            # instant from: every started sequence and recent steps.
+            sequences=[self._seq_load(s) for s in (*self.running, *self.waiting)],
+            recent_steps=list(self.step_samples))
 
     @staticmethod
     def _seq_load(seq: Sequence) -> DecodeSeqLoad:

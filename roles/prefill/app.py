@@ -116,7 +116,7 @@ def add_prefill_service(app: web.Application, ctx: NodeContext) -> None:
         svc.start()
         pusher.start()
         ctx.load_providers.append(svc.load)
-        ctx.status_providers["prefill"] = svc.load
+        ctx.status_providers["prefill"] = lambda: svc.load().to_wire()
         ctx.collection_sizes.append(lambda: {"prefill_jobs": len(svc.jobs),
                                              "prefill_running": len(svc.running)})
         yield

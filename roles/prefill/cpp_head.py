@@ -105,10 +105,10 @@ class GroupPrefill:
             result.first_token, result.logprob = last.first_token, last.logprob
             result.local_hit_tokens = final * worker.layout.block_size
             result.computed_tokens = len(spec.token_ids) - result.local_hit_tokens
-            result.timings["compute_s"] = time.perf_counter() - t_compute
+            result.timings.compute_s = time.perf_counter() - t_compute
             if head.job.stream_log:
-                result.timings["first_layer_sent_s"] = head.job.stream_log[0][2] - t_compute
-            result.timings["total_s"] = time.perf_counter() - t0
+                result.timings.first_layer_sent_s = head.job.stream_log[0][2] - t_compute
+            result.timings.total_s = time.perf_counter() - t0
             every = [head_report] + reports
             result.cpp = CppSummary(stages=1 + len(self.stage_urls),
                                     boundary_bytes=sum(r.boundary_bytes for r in every),

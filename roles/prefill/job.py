@@ -21,7 +21,6 @@ import time
 from typing import Any
 
 from kvstore.shard import StoreFullError, StoreShard
-from model.runner import chunk_bounds
 from model.sampling import sample
 from model.structured import GrammarMatcher
 from mooncaked.node.internal_client import UNBOUNDED, InternalCallError
@@ -74,6 +73,8 @@ class PrefillJob:
         # The compute thread's CPU clock when this job's compute began
         # (WorkerNode.compute_cpu_s); None until then.
         self.cpu_at_start: float | None = None
+        # Seconds the compute thread spent on this job's chunks.
+        self.chunk_compute_s = 0.0
 
     # -- step 1 -------------------------------------------------------------
     async def load_prefix(self, result: PrefillReply,
@@ -107,7 +108,7 @@ class PrefillJob:
                 log.warning("%s: prefix fetch from %s failed, recomputing: %s",
                             spec.request_id, fetch.source_url, result.fetch_failed)
                 self._quarantine_fetch_pages()
-            result.timings["fetch_s"] = time.perf_counter() - t0
+            result.timings.fetch_s = time.perf_counter() - t0
         return pages
 
     async def _fetch(self, fetch: FetchPlan, first: int, end: int) -> list[int]:
@@ -246,7 +247,7 @@ class PrefillJob:
         spec, result = self.spec, self.result
         if self.cancelled:
             raise PrefillCancelled()
-        result.timings["compute_s"] = compute_s
+        result.timings.compute_s = compute_s
         result.computed_tokens = len(spec.token_ids) - self.cached
         # The first output token: no output before it to penalize; min_tokens
         # reads the EOS ids the front end put in the params.
@@ -262,11 +263,29 @@ class PrefillJob:
                 result.stored = StoredBlocks(*self.shard.next_event_batch(), stored)
         t_wait = time.perf_counter()
         await asyncio.gather(*self.sends)
-        result.timings["transfer_wait_s"] = time.perf_counter() - t_wait
+        result.timings.transfer_wait_s = time.perf_counter() - t_wait
+        self._start_decode_here(result.first_token)
         if self.stream_log:
-            result.timings["first_layer_sent_s"] = self.stream_log[0][2] - t_compute
-        result.timings["total_s"] = time.perf_counter() - self.t_start
+            result.timings.first_layer_sent_s = self.stream_log[0][2] - t_compute
+        result.timings.total_s = time.perf_counter() - self.t_start
         return result
+
+    def _start_decode_here(self, first_token: int) -> None:
+        """On a colocated node whose own reservation holds the KV (the copy
+        is done: local sends complete at once), decoding starts now rather
+        than when the conductor's start arrives, which then attaches to it.
+        Refused (reservation gone, grammar, ...): the conductor's start meets
+        the same refusal and reports it."""
+        start = self.worker.start_decode_here
+        if start is None or self.spec.decode.segment != self.worker.engine.name \
+                or self.worker.first_layer != 0:
+            return
+        spec = self.spec
+        try:
+            start(spec.request_id, len(spec.token_ids), first_token, spec.sampling,
+                  spec.token_ids if spec.sampling.needs_prompt else None)
+        except (KeyError, ValueError) as exc:
+            log.info("%s: decode not started with the first token here: %s", spec.request_id, exc)
 
     async def run(self) -> PrefillReply:
         """The whole job: prepare, compute on the compute thread, finish; cleans up."""
@@ -281,20 +300,37 @@ class PrefillJob:
             # worker (a colocated node) runs between two chunks instead of
             # waiting for the whole prefill; token spacing then grows by at
             # most one chunk.  A cancelled job stops at the next chunk.
-            for start, end in chunk_bounds(self.cached, len(self.spec.token_ids),
-                                           self.chunk_size):
+            # While decode sequences share the compute thread, chunks are the
+            # node's interleave size (WorkerNode.interleave_tokens): a step
+            # then waits for one short chunk.  Sizes are whole blocks, so
+            # every chunk still starts on a block boundary.
+            start, n = self.cached, len(self.spec.token_ids)
+            while start < n:
                 if self.cancelled:
                     raise PrefillCancelled()
+                size = self.chunk_size
+                if self.worker.interleave_tokens and self.worker.decoding(self.spec.request_id):
+                    size = min(size, self.worker.interleave_tokens)
+                end = min(n, (start // size + 1) * size)
                 logits = await self.worker.compute(self._prefill_chunk, start, end, hook)
-            self.result.timings["compute_cpu_s"] = self.worker.compute_cpu_s() - self.cpu_at_start
-            return await self.finish(logits, t_compute, time.perf_counter() - t_compute)
+                start = end
+            self.result.timings.compute_cpu_s = self.worker.compute_cpu_s() - self.cpu_at_start
+            # The prefill's own compute: not the decode steps a colocated
+            # node ran between its chunks (the conductor prices those).
+            return await self.finish(logits, t_compute, self.chunk_compute_s)
         finally:
             await self.cleanup()
 
     def _prefill_chunk(self, start: int, end: int, hook) -> Any:
-        """Tokens [start, end) through every layer; the logits of the last one."""
-        return self.worker.runner.prefill_stage(self.spec.token_ids[start:end], self.table,
-                                                start, layer_hook=hook)
+        """Tokens [start, end) through every layer; the logits of the last one.
+        Runs on the compute thread, which adds its own time to
+        ``chunk_compute_s`` (one compute thread: no two chunks at once)."""
+        t0 = time.perf_counter()
+        try:
+            return self.worker.runner.prefill_stage(self.spec.token_ids[start:end], self.table,
+                                                    start, layer_hook=hook)
+        finally:
+            self.chunk_compute_s += time.perf_counter() - t0
 
     def publish_new_blocks(self, table: list[int], first_new: int) -> list[int]:
         """Keep blocks [first_new, ...) of ``table`` in the local shard under

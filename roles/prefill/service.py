@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mooncaked.node.messages import PrefillReply, PrefillRequest
+from mooncaked.node.messages import NodeLoad, PrefillReply, PrefillRequest
 from mooncaked.node.tasks import cancel_and_wait
 from roles.prefill.cpp_head import GroupPrefill
 from roles.prefill.job import PrefillCancelled, PrefillJob
@@ -202,9 +202,9 @@ class PrefillService:
                 self.running = []
 
     def _succeeded(self, item: _Queued, result: PrefillReply) -> None:
-        result.timings["queue_s"] = item.queue_s
-        if result.timings.get("compute_s", 0) > 0 and result.computed_tokens:
-            rate = result.computed_tokens / result.timings["compute_s"]
+        result.timings.queue_s = item.queue_s
+        if result.timings.compute_s > 0 and result.computed_tokens:
+            rate = result.computed_tokens / result.timings.compute_s
             self.tokens_per_s = 0.7 * self.tokens_per_s + 0.3 * rate
         self.completed += 1
         if not item.done.done():
@@ -289,12 +289,12 @@ class PrefillService:
                     # its first token waited for the whole pass, and the
                     # conductor, which counted their work in its queue, must
                     # not take that part for a delay it failed to see.
-                    job.result.timings["compute_cpu_s"] = compute_cpu_s * own / tokens
-                    job.result.timings["batched_ahead_s"] = compute_s * ahead / tokens
+                    job.result.timings.compute_cpu_s = compute_cpu_s * own / tokens
+                    job.result.timings.batched_ahead_s = compute_s * ahead / tokens
                     # ... and the part spent on those behind it, which
                     # joined the pass while it waited: the conductor
                     # learns how much of that a queued request meets.
-                    job.result.timings["batched_behind_s"] = \
+                    job.result.timings.batched_behind_s = \
                         compute_s * max(0, tokens - ahead - own) / tokens
                     self._succeeded(item, await job.finish(logits, t_compute,
                                                            compute_s * own / tokens))
@@ -338,29 +338,31 @@ class PrefillService:
                                            * shares[job.spec.request_id], 6)
                 for job in jobs}
 
-    def load(self) -> dict:
+    def load(self) -> NodeLoad:
+        """The prefill part of the node's load report."""
         now = time.perf_counter()
         shares = self._running_shares()
-        return {"queue_len": len(self.queue) + len(self.running),
-                "batches": self.batches, "batched_requests": self.batched_requests,
-                "batch_joins_declined": self.batch_joins_declined,
-                "queued_tokens": self.queued_tokens,
-                "queued_prefill_s": self.queued_tokens / self.tokens_per_s,
-                "prefill_tokens_per_s": round(self.tokens_per_s, 1),
-                # What queued_prefill_s holds, so the conductor knows which of
-                # its bookings this figure covers.
-                "request_ids": [item.job.spec.request_id for item in (*self.running, *self.queue)],
-                # How long each running request has been computing: the
-                # conductor's estimate of it is that much spent already (a
-                # report naming it must not restart its whole estimate).  In
-                # a batched pass each is charged its share of the time, so
-                # that what is left of the pass is counted once, not less
-                # once per request in it.
-                "running_s": {item.job.spec.request_id:
-                              round((now - item.started_at) * shares[item.job.spec.request_id], 6)
-                              for item in self.running if item.started_at is not None},
-                # ... and the CPU seconds the compute thread has spent on it:
-                # on cores another role has first call on (prefill.yields_to)
-                # that, not the time, is how far it has got.
-                "running_cpu_s": self._running_cpu_s(shares),
-                "completed": self.completed, "failed": self.failed}
+        return NodeLoad(
+            queue_len=len(self.queue) + len(self.running),
+            batches=self.batches, batched_requests=self.batched_requests,
+            batch_joins_declined=self.batch_joins_declined,
+            queued_tokens=self.queued_tokens,
+            queued_prefill_s=self.queued_tokens / self.tokens_per_s,
+            prefill_tokens_per_s=round(self.tokens_per_s, 1),
+            # What queued_prefill_s holds, so the conductor knows which of
+            # its bookings this figure covers.
+            request_ids=[item.job.spec.request_id for item in (*self.running, *self.queue)],
+            # How long each running request has been computing: the
+            # conductor's estimate of it is that much spent already (a
+            # report naming it must not restart its whole estimate).  In
+            # a batched pass each is charged its share of the time, so
+            # that what is left of the pass is counted once, not less
+            # once per request in it.
+            running_s={item.job.spec.request_id:
+                       round((now - item.started_at) * shares[item.job.spec.request_id], 6)
+                       for item in self.running if item.started_at is not None},
+            # ... and the CPU seconds the compute thread has spent on it:
+            # on cores another role has first call on (prefill.yields_to)
+            # that, not the time, is how far it has got.
+            running_cpu_s=self._running_cpu_s(shares),
+            completed=self.completed, failed=self.failed)

@@ -54,11 +54,14 @@ class NodeBookings:
 
     # ---- membership ---------------------------------------------------
     def add_prefill_node(self, node: str, cache_capacity_blocks: int = 0,
-                         yields_to: tuple[str, ...] = ()) -> None:
+                         yields_to: tuple[str, ...] = (), interleave_tokens: int = 0) -> None:
         """``yields_to``: decode nodes whose cores it borrows at idle
-        priority (it computes only while they leave one idle)."""
+        priority (it computes only while they leave one idle).
+        ``interleave_tokens``: a colocated node's prefill chunk while it
+        decodes (see ``interleave``)."""
         self.prefill[node] = PrefillNodeState(node, cache_capacity_blocks=cache_capacity_blocks,
-                                              yields_to=tuple(yields_to))
+                                              yields_to=tuple(yields_to),
+                                              interleave_tokens=interleave_tokens)
         self._outstanding.setdefault(node, 0)
         if self.config.per_node_prefill_fit and node not in self.node_estimators:
             # A node that comes back keeps what it had learned of itself.
@@ -167,13 +170,33 @@ class NodeBookings:
                 known = True
         return 1.0 - all_busy if known else 1.0
 
+    def interleave(self, node: str) -> tuple[float, float]:
+        """A colocated node that is decoding alternates one prefill chunk and
+        one decode step on its compute thread: (the chunk's seconds, the
+        step's); (0, 0) when ``node`` is not colocated or not decoding."""
+        p, d = self.prefill.get(node), self.decode.get(node)
+        if p is None or d is None or not p.interleave_tokens or d.batch_size <= 0:
+            return 0.0, 0.0
+        chunk = self.estimator_for(node).seconds(p.interleave_tokens, 0)
+        return max(chunk, 0.0), self.step_seconds(node)
+
+    def prefill_share(self, node: str) -> float:
+        """The share of wall time a prefill gets on ``node``: 1, or on a
+        colocated node that is decoding chunk / (chunk + step)."""
+        chunk, step = self.interleave(node)
+        return chunk / (chunk + step) if chunk > 0 and step > 0 else 1.0
+
     def progress_fn(self, node: str, busy: list[borrowed.Interval] | None = None,
                     now: float | None = None) -> Progress:
         """Work ``node`` does between two instants (see PrefillNodeState.queue_time):
         for a yielding node, the gaps of its decode nodes' busy intervals at
-        its learned ``yield_share`` (as of ``now``; unscaled when None)."""
+        its learned ``yield_share`` (as of ``now``; unscaled when None); for
+        a colocated node that is decoding, its ``prefill_share`` of them."""
         if not self.yields(node):
-            return wall_progress
+            share = self.prefill_share(node)
+            if share >= 1.0:
+                return wall_progress
+            return lambda start, end: share * max(0.0, end - start)
         spans = self.yielded_busy(node) if busy is None else busy
         share = 1.0 if now is None else self.yield_share(node, now)
         return lambda start, end: share * borrowed.progress(spans, start, end)

@@ -23,7 +23,11 @@ class PlanContext:
     """Everything a policy may look at for one decision.
 
     `matches[node]` = leading blocks of the request held by that node
-    (absent = 0); only live prefill nodes appear in `nodes`.
+    (absent = 0); `pending[node]` = leading blocks that work booked on the
+    node ahead of this request will have stored by the time it starts
+    there (the node runs its queue in order); only live prefill nodes
+    appear in `nodes`.  A node's local prefix counts both; only what it
+    holds now can be pulled from it.
     `plan(node, transfer_blocks_from)` prices a choice with the
     estimators: T_queue + T_transfer + T_prefill.
     """
@@ -37,11 +41,13 @@ class PlanContext:
                  node_prefill_s: Callable[[str, int, int], float] | None = None,
                  transferable: Callable[[str], bool] | None = None,
                  wall_s: Callable[[str, float, float], float] | None = None,
-                 extra_s: Callable[[str], float] | None = None) -> None:
+                 extra_s: Callable[[str], float] | None = None,
+                 pending: dict[str, int] | None = None) -> None:
         self.req = req
         self.now = now
         self.nodes = nodes
         self.matches = matches
+        self.pending = pending or {}
         self.queue_time = queue_time
         self.prefill_s = prefill_s
         self.transfer_s = transfer_s
@@ -69,7 +75,7 @@ class PlanContext:
         return plan.ttft + self.extra_s(plan.node)
 
     def local(self, node: str) -> int:
-        return self.matches.get(node, 0)
+        return max(self.matches.get(node, 0), self.pending.get(node, 0))
 
     def plan(self, node: str, source: str | None = None, source_blocks: int = 0) -> PrefillPlan:
         """Price `node`, optionally pulling blocks [local, source_blocks) from `source`."""
@@ -156,7 +162,7 @@ class MooncakePolicy(Policy):
 
     name = "mooncake"
 
-    def __init__(self, kvcache_balancing_threshold: float = 1.5) -> None:
+    def __init__(self, kvcache_balancing_threshold: float = 1.0) -> None:
         if kvcache_balancing_threshold < 1.0:
             raise ValueError("kvcache_balancing_threshold must be >= 1.0")
         self.threshold = kvcache_balancing_threshold

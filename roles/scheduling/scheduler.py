@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from . import borrowed
@@ -74,11 +75,16 @@ class Scheduler(NodeBookings):
         # Accepted requests per decode node: (when, expected output tokens).
         self._decode_arrivals: dict[str, deque[tuple[float, int]]] = {}
         # What the cost model misses: TTFT residuals (seconds) keyed by
-        # prefill node, TBT residuals (log measured / predicted) by decode node.
+        # prefill node; by decode node, TBT residuals (log measured /
+        # predicted step, over a reply's intervals after its first) and
+        # hand-off residuals (seconds its first interval took beyond a step:
+        # the decode node taking the request over from its prefill).
         self.ttft_residuals = ResidualModel(config.residual_half_life_s, config.admit_quantile,
                                             config.residual_min_samples)
         self.tbt_residuals = ResidualModel(config.residual_half_life_s, config.admit_quantile,
                                            config.residual_min_samples)
+        self.handoff_residuals = ResidualModel(config.residual_half_life_s, config.admit_quantile,
+                                               config.residual_min_samples)
         # Per prefill node: recent (predicted queue, batched-behind) pairs of
         # requests that waited, and the slope fitted on them (batch_wait_s).
         self._batch_waits: dict[str, deque[tuple[float, float]]] = {}
@@ -109,7 +115,7 @@ class Scheduler(NodeBookings):
 
         def wall_s(node: str, start: float, work: float) -> float:
             if not self.yields(node):
-                return work
+                return work / self.prefill_share(node)
             # At ``share`` of the modelled progress, work w takes the wall
             # time the model gives w / share.
             return borrowed.wall_for(busy_of(node), start, work / self.yield_share(node, now),
@@ -127,26 +133,93 @@ class Scheduler(NodeBookings):
             node_prefill_s=lambda node, n, p: self.estimator_for(node).seconds(n, p),
             transferable=lambda node: not self.prefill[node].group_members,
             wall_s=wall_s,
-            extra_s=lambda node: self.ttft_residuals.median(node, level, now))
+            extra_s=lambda node: self.ttft_residuals.median(node, level, now),
+            pending={n: self._pending_prefix(n, req) for n in nodes})
+
+    def _pending_prefix(self, node: str, req: ScheduleRequest) -> int:
+        """Leading blocks of ``req`` that prefills booked on ``node`` and not
+        finished will have stored there before ``req`` could start: the node
+        computes its queue in order and looks its prefix up when a request
+        starts, so a request sent behind one computing its prefix reuses it
+        instead of computing it again elsewhere.  Full blocks only (a
+        prompt's partial last block is not kept)."""
+        best = 0
+        for rid in self.prefill[node].pending:
+            inf = self.inflight.get(rid)
+            if inf is None:
+                continue
+            ahead = inf.req
+            full = min(ahead.prompt_tokens // ahead.block_size, len(req.block_keys))
+            n = 0
+            while n < full and ahead.block_keys[n] == req.block_keys[n]:
+                n += 1
+            best = max(best, n)
+        return best
 
     def select_decode(self, req: ScheduleRequest, now: float | None = None,
                       join_in_s: float = 0.0) -> tuple[DecodeNodeState | None, float]:
         """The decode node with the least predicted TBT (``_decode_choice``)
         and that TBT."""
-        best, tbt, _ = self._decode_choice(req, now, join_in_s)
+        best, tbt, _ = self._decode_choice(req, now, join_in_s, None)
         return best, tbt
 
     def tbt_ratio(self, node: str, now: float, level: int | None = None) -> float:
-        """What the node's predicted TBT is scaled by at admission:
+        """What the node's predicted step is scaled by at admission:
         exp(admit_quantile of its TBT log-ratio residuals); 1 with none."""
         lvl = self.load_level() if level is None else level
         return math.exp(self.tbt_residuals.bound(node, lvl, now))
 
-    def _decode_choice(self, req: ScheduleRequest, now: float | None = None, join_in_s: float = 0.0
+    @staticmethod
+    def handoff_key(decode_node: str, prefill_node: str | None) -> str:
+        """Hand-offs are learned per decode node and per kind: from its own
+        prefill (a colocated node starts decoding as it samples the first
+        token) or from another node's (a round trip through the conductor)."""
+        return f"{decode_node}~local" if decode_node == prefill_node else decode_node
+
+    def handoff_s(self, node: str, now: float, level: int | None = None,
+                  prefill_node: str | None = None) -> float:
+        """What a reply's first interval takes beyond a step on decode node
+        ``node`` after a prefill on ``prefill_node``, at admission: the
+        admit-quantile of those hand-off residuals (0 with none; never below
+        0, a hand-off cannot be quicker than no hand-off)."""
+        lvl = self.load_level() if level is None else level
+        key = self.handoff_key(node, prefill_node)
+        return max(0.0, self.handoff_residuals.bound(key, lvl, now))
+
+    def _interleaved_prefill_s(self, node: str, now: float, join_in_s: float, step_s: float,
+                               output_tokens: int) -> float:
+        """What prefill chunks add to the mean token interval of a reply of
+        ``output_tokens`` joining colocated ``node`` in ``join_in_s``: the
+        node alternates a step and a chunk while prefill work is queued, so
+        the first queue / chunk intervals (at most all of them) each hold a
+        chunk.  0 on a node that does not prefill."""
+        p = self.prefill.get(node)
+        if p is None or not p.interleave_tokens or not p.alive:
+            return 0.0
+        chunk = self.estimator_for(node).seconds(p.interleave_tokens, 0)
+        if chunk <= 0:
+            return 0.0
+        share = chunk / (chunk + step_s) if step_s > 0 else 1.0
+        queued = p.queue_time(now, self.progress_fn(node)) - join_in_s * share
+        intervals = max(1, output_tokens - 1)
+        return chunk * min(intervals, max(0.0, queued) / chunk) / intervals
+
+    @staticmethod
+    def mean_interval(step_s: float, ratio: float, handoff_s: float, output_tokens: int) -> float:
+        """The mean token interval (the TBT a client scores a reply by) of a
+        reply of ``output_tokens``: its first interval is a step plus the
+        hand-off, the others a step each scaled by the learned ``ratio``.  A
+        long reply's TBT is its steps'; a short reply's mostly its hand-off."""
+        intervals = max(1, output_tokens - 1)
+        return (step_s + handoff_s + (intervals - 1) * step_s * ratio) / intervals
+
+    def _decode_choice(self, req: ScheduleRequest, now: float | None = None, join_in_s: float = 0.0,
+                       prefill_node: str | None = None
                        ) -> tuple[DecodeNodeState | None, float, float]:
         """Least predicted TBT among live decode nodes with pages for the
-        request: (node, its TBT scaled by its learned ``tbt_ratio``, the
-        model's TBT before that).
+        request: (node, the mean interval of its reply from the step scaled
+        by the node's learned ``tbt_ratio`` plus its hand-off, the model's
+        step before that).
 
         With `now`, TBT is predicted from the load each node will have when
         the request joins it, `join_in_s` (its predicted TTFT) from now; the
@@ -166,7 +239,12 @@ class Scheduler(NodeBookings):
                                               load.context_tokens + req.prompt_tokens + 1)
             else:
                 tbt = self._tbt_at_join(d.node_id, now + join_in_s, req.prompt_tokens)
-            scaled = tbt if now is None else tbt * self.tbt_ratio(d.node_id, now)
+                tbt += self._interleaved_prefill_s(d.node_id, now, join_in_s, tbt,
+                                                   req.expected_output_tokens)
+            scaled = tbt if now is None else self.mean_interval(
+                tbt, self.tbt_ratio(d.node_id, now),
+                self.handoff_s(d.node_id, now, prefill_node=prefill_node),
+                req.expected_output_tokens)
             if scaled < best_tbt:
                 best, best_tbt, best_model = d, scaled, tbt
         return best, best_tbt, best_model
@@ -237,14 +315,15 @@ class Scheduler(NodeBookings):
         level = self.load_level()
         model_ttft = plan.ttft + self.batch_wait_s(plan.node, plan.t_queue)
         ttft = model_ttft + self.ttft_residuals.median(plan.node, level, now)
-        dnode, tbt, tbt_model = self._decode_choice(req, now, ttft)
+        dnode, tbt, tbt_model = self._decode_choice(req, now, ttft, plan.node)
         if dnode is None:
             return self._reject(req, "no_decode_capacity", ttft, math.inf, 1.0)
         ttft_limit = self.ttft_admit_limit(plan.node, now, level)
         if cfg.reject and ttft > ttft_limit:
             return self._reject(req, "ttft_slo", ttft, tbt, ttft - ttft_limit, ttft_limit)
         tbt_limit = cfg.tbt_slo_s
-        if cfg.reject and tbt > tbt_limit:
+        # A reply of one token has no interval for a TBT to be judged on.
+        if cfg.reject and tbt > tbt_limit and req.expected_output_tokens > 1:
             return self._reject(req, "tbt_slo", ttft, tbt, 1.0, tbt_limit)
 
         decision = Decision(req.request_id, plan.node, dnode.node_id,
@@ -379,20 +458,27 @@ class Scheduler(NodeBookings):
     def residual_stats(self, now: float) -> dict[str, dict[str, ResidualStats]]:
         """The residual model's windows at ``now`` (for status pages)."""
         return {"ttft_s": self.ttft_residuals.stats(now),
-                "tbt_log_ratio": self.tbt_residuals.stats(now)}
+                "tbt_log_ratio": self.tbt_residuals.stats(now),
+                "handoff_s": self.handoff_residuals.stats(now)}
 
     def on_decode_finished(self, node: str, request_id: str, now: float,
-                           measured_tbt_s: float | None = None) -> None:
-        """The request left decode node ``node``; ``measured_tbt_s``: the mean
-        of its token intervals as the client got them (its inter-token
-        latency), when it streamed to the end, which the TBT residuals learn
-        from."""
+                           token_intervals: Sequence[float] | None = None) -> None:
+        """The request left decode node ``node``; ``token_intervals``: the
+        intervals between its tokens as the client got them, when it
+        streamed to the end.  The first (the hand-off from prefill to decode)
+        teaches the hand-off residuals, in seconds beyond the predicted
+        step; the mean of the others the TBT residuals, as a log-ratio."""
         inf = self.inflight.pop(request_id, None)
-        if measured_tbt_s is not None and inf is not None \
-                and inf.decision.decode_node == node:
-            residual = log_ratio(measured_tbt_s, inf.tbt_model_s)
-            if residual is not None:
-                self.tbt_residuals.add(node, inf.load_level, residual, now)
+        if token_intervals and inf is not None and inf.decision.decode_node == node:
+            step = inf.tbt_model_s
+            if math.isfinite(step):
+                key = self.handoff_key(node, inf.decision.prefill_node)
+                self.handoff_residuals.add(key, inf.load_level, token_intervals[0] - step, now)
+            rest = token_intervals[1:]
+            if rest:
+                residual = log_ratio(sum(rest) / len(rest), step)
+                if residual is not None:
+                    self.tbt_residuals.add(node, inf.load_level, residual, now)
         d = self.decode.get(node)
         if d is None:
             return

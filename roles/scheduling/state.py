@@ -134,6 +134,10 @@ class PrefillNodeState:
     # computes only while they leave a core idle (roles/scheduling/borrowed.py).
     # Its estimates, queue and reports are then in work seconds.
     yields_to: tuple[str, ...] = ()
+    # A colocated node (also a decode node): the tokens of a prefill chunk
+    # while decode sequences run there, a step between two chunks; 0 = not
+    # colocated, or chunks of unknown size.
+    interleave_tokens: int = 0
     # Measured / estimated time of its latest prefills (oldest first).
     late_ratios: deque[float] = field(default_factory=lambda: deque(maxlen=LATE_RATIOS_KEPT))
 

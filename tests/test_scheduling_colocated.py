@@ -1,0 +1,93 @@
+"""A colocated node's two kinds of work on one compute thread, priced by hand.
+
+While a colocated node decodes it alternates one prefill chunk of
+``interleave_tokens`` and one decode step: a prefill gets chunk / (chunk +
+step) of the wall time, and a decode sequence's interval holds a chunk for
+as long as prefill work is queued there.
+"""
+import pytest
+
+from roles.scheduling import (DecodeEstimator, NodeReport, PolynomialPrefillEstimator, Rejection,
+                              ScheduleRequest, Scheduler, SchedulerConfig, TransferEstimator)
+
+BS = 64
+STEP = 0.016      # the decode step, whatever the batch
+PER_TOKEN = 1e-3  # prefill seconds per computed token: a 64-token chunk is 0.064 s
+
+
+def sched(tbt_slo_s=1.0):
+    s = Scheduler(SchedulerConfig(policy="load_balance", kv_bytes_per_token=1000,
+                                  ttft_slo_s=30.0, tbt_slo_s=tbt_slo_s,
+                                  queue_from_bookings=False, per_node_prefill_fit=False),
+                  PolynomialPrefillEstimator({"n": PER_TOKEN}), TransferEstimator(1e9),
+                  DecodeEstimator(STEP, 0.0, 0.0))
+    s.add_prefill_node("c0", interleave_tokens=BS)
+    s.add_decode_node("c0", page_budget=10_000, page_tokens=BS)
+    return s
+
+
+def req(rid, tokens, out=2, base=0):
+    base = base or 1000 * (1 + sum(map(ord, rid)))
+    return ScheduleRequest(rid, tuple(range(base, base + -(-tokens // BS))), tokens, BS, out)
+
+
+def test_a_prefill_on_a_decoding_colocated_node_gets_its_share_of_the_thread():
+    s = sched()
+    # Nothing decoding: the whole thread, 100 tokens = 0.1 s.
+    a = s.schedule(req("a", 100), now=0.0)
+    assert a.predicted_ttft_s == pytest.approx(0.1)
+    assert s.prefill_share("c0") == pytest.approx(0.064 / (0.064 + STEP))   # 0.8
+    # "a" now decodes there: "b" waits for a's 0.1 s of work and computes its
+    # own 0.1 s, each at 0.8 of the wall time.
+    b = s.schedule(req("b", 100), now=0.0)
+    assert b.t_queue == pytest.approx(0.125) and b.t_prefill == pytest.approx(0.125)
+    assert b.predicted_ttft_s == pytest.approx(0.25)
+
+
+def test_a_reply_decoding_where_prefill_is_queued_waits_a_chunk_per_interval():
+    s = sched(tbt_slo_s=0.05)
+    s.add_prefill_node("p1")        # prefill only: the request is computed there
+    a = s.schedule(req("a", 1000), now=0.0)
+    assert a.prefill_node == "c0" and a.predicted_ttft_s == pytest.approx(1.0)
+    # "b" prefills on idle p1 (0.1 s) and joins c0, which still has
+    # 1.0 - 0.1 x 0.8 = 0.92 s of a's work: 14.4 chunks, more than b's 10
+    # intervals, so each holds a chunk: 0.016 + 0.064 = 0.080 s > 0.05.
+    r = s.schedule(req("b", 100, out=11), now=0.0)
+    assert isinstance(r, Rejection) and r.reason == "tbt_slo"
+    assert r.predicted_ttft_s == pytest.approx(0.1)
+    assert r.predicted_tbt_s == pytest.approx(0.080)
+    # A 101-token reply: 14.375 of its 100 intervals hold a chunk, a mean of
+    # 0.016 + 0.064 x 14.375 / 100 = 0.0252 s.
+    d = s.schedule(req("c", 100, out=101), now=0.0)
+    assert d.prefill_node == "p1" and d.decode_node == "c0"
+    assert d.predicted_tbt_s == pytest.approx(0.016 + 0.064 * 14.375 / 100)
+
+
+def test_a_node_not_colocated_is_priced_on_its_own_cores():
+    s = sched()
+    s.add_prefill_node("p1")
+    s.schedule(req("a", 100), now=0.0)
+    assert s.prefill_share("p1") == 1.0
+    assert s.interleave("p1") == (0.0, 0.0)
+
+
+def test_hand_offs_are_learned_apart_from_a_nodes_own_prefill_and_from_others():
+    # c0 decodes everything; "local" replies were prefilled on c0 itself
+    # (their first interval 0.001 s beyond the step), "remote" ones on p1
+    # (0.040 s beyond it: a round trip through the conductor).
+    s = sched()
+    s.add_prefill_node("p1")
+    for i in range(12):
+        t = i * 0.05
+        for where, extra in (("c0", 0.001), ("p1", 0.040)):
+            other = "p1" if where == "c0" else "c0"
+            s.on_node_report(other, NodeReport(at=t, queued_prefill_s=100.0), t)
+            s.on_node_report(where, NodeReport(at=t, queued_prefill_s=0.0), t)
+            d = s.schedule(req(f"{where}{i}", 100, out=3), now=t)
+            assert (d.prefill_node, d.decode_node) == (where, "c0")
+            s.on_prefill_finished(where, d.request_id, now=t, actual_seconds=0.1)
+            step = s.inflight[d.request_id].tbt_model_s
+            s.on_decode_finished("c0", d.request_id, t, [step + extra, step])
+    # (12 samples each, under a second old: trusted; the cluster's mixes both)
+    assert s.handoff_s("c0", 0.6, prefill_node="c0") == pytest.approx(0.001)
+    assert s.handoff_s("c0", 0.6, prefill_node="p1") == pytest.approx(0.040)

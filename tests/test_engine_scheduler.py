@@ -194,3 +194,36 @@ def test_finished_streams_fit_the_decode_model_and_status_is_json():
     status = sched.status(now=1.0)
     json.dumps(status)
     assert status["engines"]["a"]["booked"] == 0 and status["ttft_error"]["count"] == 1
+
+
+def test_a_request_behind_one_prefilling_its_prefix_is_priced_as_reusing_it():
+    # "a" books a 1000-token prompt (10 blocks of 100): its KV events will
+    # report it only once computed.  "b" shares 8 of those blocks: behind it
+    # on engine a it waits 1.0 s and computes 200 tokens (1.2 s); engine b
+    # is busy for 1.5 s and would compute all 1000 (2.5 s).
+    sched = make()
+    keys = list(range(10))
+    first = sched.schedule("first", 1000, {}, now=0.0, block_keys=keys, block_size=100)
+    assert first.engine == "a"
+    sched.schedule("busy-b", 1500, {}, now=0.0, among={"b"})
+    d = sched.schedule("next", 1000, {}, now=0.0, block_keys=keys[:8] + [90, 91],
+                       block_size=100)
+    assert (d.engine, d.prefix_tokens) == ("a", 800)
+    assert d.predicted_ttft_s == pytest.approx(1.0 + 0.2)
+    # Once "first" has its first token its blocks are the index's to report:
+    # only "next", still queued, counts (its 8 blocks of first's 10).
+    assert sched.pending_prefix_tokens(sched.engines["a"], keys, 100) == 1000
+    sched.on_first_token("a", "first", now=1.0)
+    assert sched.pending_prefix_tokens(sched.engines["a"], keys, 100) == 800
+
+
+def test_new_prefixes_spread_over_engines_priced_alike():
+    # Neither engine holds any of these prompts and both are idle: the one
+    # with fewer requests in flight, then the one chosen longest ago, wins
+    # (their fits may differ by less than they err).
+    sched = make()
+    sched.engines["b"].prefill_est = PolynomialPrefillEstimator({"n": 1.05e-3})
+    picks = [sched.schedule(f"r{i}", 100, {}, now=float(i)).engine for i in range(4)]
+    assert picks == ["a", "b", "a", "b"]
+    # A prompt one engine holds part of is no tie: the holder wins.
+    assert sched.schedule("held", 100, {"b": 50}, now=5.0).engine == "b"

@@ -36,6 +36,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from kvstore.keys import block_keys
 from mooncaked.node.context import NodeContext
 from mooncaked.node.errors import ApiError, StartupError, error_body, json_response, read_json
 from roles.engines.fleet import Engine, EngineFleet, EngineSpec, EngineSpecError
@@ -215,7 +216,9 @@ class EngineProxy:
             ask = {"model": body.get("model"), "prompt": first}
             if "add_special_tokens" in body:
                 ask["add_special_tokens"] = body["add_special_tokens"]
-        for engine in self._candidates(body):
+        # The least loaded engine tokenizes: a round trip to a busy one
+        # delays the first token, and one engine taking them all gets busy.
+        for engine in sorted(self._candidates(body), key=lambda e: self.scheduler.load_of(e.name)):
             try:
                 status, answer = await self._post_json(engine, "/tokenize", ask)
             except EngineGone:
@@ -243,9 +246,12 @@ class EngineProxy:
             candidates = self._candidates(body)
             index = self.fleet.registry.index
             hits = index.prefix_tokens_per_instance(tokens, candidates[0].model) if tokens else {}
+            block_size = candidates[0].block_size or 0
+            keys = block_keys(tokens, block_size) if tokens and block_size else []
             decision = self.scheduler.schedule(request_id, prompt_tokens, hits, time.monotonic(),
                                                streamed=streamed,
-                                               among={e.name for e in candidates})
+                                               among={e.name for e in candidates},
+                                               block_keys=keys, block_size=block_size)
             if isinstance(decision, Rejection):
                 error = rejection_error(decision)
                 log.info("%s %d %s (%d prompt tokens)", request_id, error.status, error.message,

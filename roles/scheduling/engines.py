@@ -33,13 +33,16 @@ import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Collection, Mapping, NamedTuple
+from typing import Collection, Mapping, NamedTuple, Sequence
 
 from .config import SchedulerConfig
 from .estimators import DecodeEstimator, PrefillEstimator
 from .residuals import ResidualModel, load_level
 from .state import PendingPrefill, PrefillNodeState, Rejection
 
+# For a prompt no engine holds, predicted TTFTs within this share of each
+# other are a tie (broken by load, then by turn).
+TIE_SHARE = 0.1
 # Prompt lengths of recently routed requests: what a request another client
 # sent is priced as (its prompt is not known to us).
 RECENT_PROMPTS = 64
@@ -69,6 +72,9 @@ class _Request:
     level: int               # the engine's load level when booked
     priced_by_prior: bool    # it or work booked ahead of it priced by an unfitted prior
     observed: bool           # its first token will be seen (a streamed response)
+    # Chained keys of its prompt's full blocks (any block size the caller
+    # keeps to): what the engine will hold once it has prefilled it.
+    block_keys: tuple[int, ...] = ()
     first_token_at: float | None = None
     batch: int = 0           # the engine's running batch when it started decoding
     context_tokens: int = 0
@@ -100,6 +106,7 @@ class EngineState:
     foreign_running: int = 0
     foreign_waiting: int = 0
     last_first_token_at: float = -math.inf
+    chosen_at: float = -math.inf
 
     def __post_init__(self) -> None:
         self.queue = PrefillNodeState(self.name)
@@ -198,13 +205,18 @@ class EngineScheduler:
     # ---- the decision --------------------------------------------------
     def schedule(self, request_id: str, prompt_tokens: int, prefix_tokens: Mapping[str, int],
                  now: float, streamed: bool = True,
-                 among: Collection[str] | None = None) -> EngineDecision | Rejection:
+                 among: Collection[str] | None = None,
+                 block_keys: Sequence[int] = (), block_size: int = 0
+                 ) -> EngineDecision | Rejection:
         """Book ``request_id`` on the engine with the least predicted TTFT
         that admits it, or refuse it.  ``prefix_tokens``: leading prompt
         tokens each engine holds (engines missing from it hold none);
         ``streamed``: its first token will be reported (on_first_token);
         ``among``: the engines that may serve it (those serving its model;
-        None: all)."""
+        None: all); ``block_keys``: chained keys of the prompt's full blocks
+        of ``block_size`` tokens, with which a request queued behind one
+        still prefilling its prefix at an engine is priced as reusing it
+        there (``pending_prefix_tokens``)."""
         if prompt_tokens <= 0:
             raise ValueError("prompt_tokens must be > 0")
         cfg = self.config
@@ -214,8 +226,10 @@ class EngineScheduler:
             if not state.alive or state.stale or (among is not None and name not in among):
                 continue
             level = load_level(state.in_flight())
+            held = max(prefix_tokens.get(name, 0),
+                       self.pending_prefix_tokens(state, block_keys, block_size))
             # At least the last prompt token is computed: it makes the first output token.
-            prefix = max(0, min(prefix_tokens.get(name, 0), prompt_tokens - 1))
+            prefix = max(0, min(held, prompt_tokens - 1))
             t_queue = self.queue_s(state, now, prompt_tokens)
             t_prefill = self.estimator_for(state).seconds(prompt_tokens, prefix)
             model = t_queue + t_prefill
@@ -228,7 +242,7 @@ class EngineScheduler:
             elif cfg.reject and tbt > cfg.tbt_slo_s:
                 why = ("tbt_slo", decision, cfg.tbt_slo_s)
             else:
-                if best is None or ttft < best[0].predicted_ttft_s:
+                if best is None or self._before(decision, state, best[0]):
                     best = (decision, level, model)
                 continue
             if refused is None or ttft < refused[1].predicted_ttft_s:
@@ -241,12 +255,52 @@ class EngineScheduler:
             return self._reject(request_id, reason, d.predicted_ttft_s, d.predicted_tbt_s,
                                 retry, limit)
         decision, level, model = best
-        self._book(decision, prompt_tokens, level, model, now, streamed)
+        self._book(decision, prompt_tokens, level, model, now, streamed, tuple(block_keys))
         return decision
 
+    def _before(self, d: EngineDecision, state: EngineState, best: EngineDecision) -> bool:
+        """``d`` beats ``best``: a shorter predicted TTFT.  For a prompt
+        neither holds any of, predictions within TIE_SHARE of each other
+        (their fits differ by less than they err) are a tie, won by fewer
+        requests in flight, then by the engine chosen longest ago: new
+        prefixes spread over the engines' caches instead of filling one."""
+        cold = d.prefix_tokens == 0 and best.prefix_tokens == 0
+        near = abs(d.predicted_ttft_s - best.predicted_ttft_s) \
+            <= TIE_SHARE * min(d.predicted_ttft_s, best.predicted_ttft_s)
+        if not (cold and near):
+            return d.predicted_ttft_s < best.predicted_ttft_s
+        other = self.engines[best.engine]
+        return (state.in_flight(), state.chosen_at) < (other.in_flight(), other.chosen_at)
+
+    def load_of(self, name: str) -> int:
+        """Requests in flight at ``name`` (ours and others'): the order in
+        which engines are asked for work that is not a generation."""
+        state = self.engines.get(name)
+        return state.in_flight() if state is not None else 0
+
+    @staticmethod
+    def pending_prefix_tokens(state: EngineState, block_keys: Sequence[int],
+                              block_size: int) -> int:
+        """Leading prompt tokens that requests of ours still queued or
+        prefilling at ``state`` will have cached there before a request
+        sent now starts (an engine runs its waiting requests in order): its
+        KV events report a prefix only once computed, and a request sent
+        meanwhile would be priced as recomputing it."""
+        if not block_keys or block_size <= 0:
+            return 0
+        best = 0
+        for rid in state.queue.pending:
+            ahead = state.requests[rid].block_keys
+            n, most = 0, min(len(ahead), len(block_keys))
+            while n < most and ahead[n] == block_keys[n]:
+                n += 1
+            best = max(best, n)
+        return best * block_size
+
     def _book(self, d: EngineDecision, prompt_tokens: int, level: int, model: float,
-              now: float, streamed: bool) -> None:
+              now: float, streamed: bool, block_keys: tuple[int, ...] = ()) -> None:
         state = self.engines[d.engine]
+        state.chosen_at = now
         by_prior = not self.estimator_for(state).fitted_since_fork()
         pending = state.queue.pending
         # Its prediction holds the prior's error if its own price or that of
@@ -255,7 +309,8 @@ class EngineScheduler:
         pending[d.request_id] = PendingPrefill(d.t_prefill, now, expected_start=now + d.t_queue,
                                                priced_by_prior=by_prior)
         state.requests[d.request_id] = _Request(prompt_tokens, d.prefix_tokens, now, model,
-                                                d.predicted_ttft_s, level, prior_in_ttft, streamed)
+                                                d.predicted_ttft_s, level, prior_in_ttft, streamed,
+                                                block_keys)
         self.recent_prompts.append(prompt_tokens)
 
     def _reject(self, request_id: str, reason: str, ttft: float, tbt: float, retry: float,

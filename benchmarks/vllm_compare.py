@@ -154,17 +154,22 @@ def vllm_server_target(name: str, label: str, python: Path, server_args: list[st
         raise RuntimeError(f"vLLM not ready in {start_timeout_s}s; see {log_path}")
 
     def stop() -> None:
-        proc = state.pop("proc", None)
-        if proc is None or proc.poll() is not None:
-            return
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_session(state.pop("proc", None))
 
     return Target(name, label, start, stop)
+
+
+def stop_session(proc: subprocess.Popen | None, grace_s: float = 30.0) -> None:
+    """End ``proc``'s session (it was started in one of its own): SIGTERM,
+    then SIGKILL after ``grace_s``; vLLM's EngineCore is in the same group."""
+    if proc is None or proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def vllm_target(python: Path, model_dir: Path, max_model_len: int, log_path: Path,

@@ -125,6 +125,16 @@ async def test_a_request_goes_to_the_vllm_engine_holding_its_prefix(vllm_pair):
 
 async def test_a_vllm_engine_killed_mid_stream_then_restarted(vllm_pair):
     async with conductor(vllm_pair) as (client, proxy):
+        # Both engines hold the prompt's prefix, indexed before the stream
+        # starts: wherever it goes, its engine is killed at its first token,
+        # long before its 500 tokens are out.
+        for server in vllm_pair:
+            await asyncio.to_thread(complete_direct, server, SHARED)
+        tokens = (await (await client.post("/tokenize", json={
+            "model": "model", "prompt": SHARED})).json())["tokens"]
+        index = proxy.fleet.registry.index
+        await until(lambda: len(index.prefix_tokens_per_instance(tokens, "model")) == 2,
+                    "both engines' blocks indexed")
         resp = await client.post("/v1/completions", json={
             "model": "model", "prompt": SHARED, "max_tokens": 500, "ignore_eos": True,
             "stream": True})
@@ -133,11 +143,6 @@ async def test_a_vllm_engine_killed_mid_stream_then_restarted(vllm_pair):
         victim = next(s for s in vllm_pair if s.url.endswith(name))
         other = next(s for s in vllm_pair if s is not victim)
         assert (await resp.content.readline()).startswith(b"data: ")
-        tokens = (await (await client.post("/tokenize", json={
-            "model": "model", "prompt": SHARED})).json())["tokens"]
-        index = proxy.fleet.registry.index
-        await until(lambda: index.prefix_tokens_per_instance(tokens, "model").get(name, 0) > 0,
-                    "the victim's blocks indexed")
         os.killpg(victim.proc.pid, signal.SIGKILL)   # API server and EngineCore alike
         victim.proc.wait()
         events = [line[6:].strip() async for line in resp.content if line.startswith(b"data: ")]

@@ -198,6 +198,21 @@ def spy_on_compute(worker: WorkerNode, on_layer=None) -> list:
     return seen
 
 
+def record_chunks(job: PrefillJob, order: list[str]) -> None:
+    """Append "chunk [start, end)" to ``order`` as each chunk's first layer runs."""
+    hook = job.layer_hook
+
+    def recording_hook(loop_, abort_on_cancel=True):
+        inner = hook(loop_, abort_on_cancel)
+
+        def record(start: int, end: int, layer: int) -> None:
+            if layer == 0:
+                order.append(f"chunk [{start}, {end})")
+            inner(start, end, layer)
+        return record
+    job.layer_hook = recording_hook
+
+
 # ---- one job ------------------------------------------------------------------------
 
 async def test_compute_queued_meanwhile_runs_between_chunks_not_after_the_prompt(
@@ -219,17 +234,7 @@ async def test_compute_queued_meanwhile_runs_between_chunks_not_after_the_prompt
     grant = decode.reserve(len(PROMPT_A) + GREEDY.max_tokens)
     job = PrefillJob(spec_for(worker, "req-a", PROMPT_A, grant), worker, CHUNK,
                      fetch_timeout_s=5.0)
-    hook = job.layer_hook
-
-    def recording_hook(loop_, abort_on_cancel=True):
-        inner = hook(loop_, abort_on_cancel)
-
-        def record(start: int, end: int, layer: int) -> None:
-            if layer == 0:
-                order.append(f"chunk [{start}, {end})")
-            inner(start, end, layer)
-        return record
-    job.layer_hook = recording_hook
+    record_chunks(job, order)
     reply = await job.run()
     await asyncio.gather(*queued)
     # PROMPT_A is 40 tokens in chunks of 16: [0,16) [16,32) [32,40).
@@ -266,17 +271,7 @@ async def test_a_prefill_chunks_finer_while_decode_sequences_share_the_node(
     grant = decode.reserve(len(PROMPT_A) + GREEDY.max_tokens)
     job = PrefillJob(spec_for(worker, "req-a", PROMPT_A, grant), worker, 3 * BLOCK,
                      fetch_timeout_s=5.0)
-    hook = job.layer_hook
-
-    def recording_hook(loop_, abort_on_cancel=True):
-        inner = hook(loop_, abort_on_cancel)
-
-        def record(start: int, end: int, layer: int) -> None:
-            if layer == 0:
-                order.append(f"chunk [{start}, {end})")
-            inner(start, end, layer)
-        return record
-    job.layer_hook = recording_hook
+    record_chunks(job, order)
     reply = await job.run()
     assert order == chunks
     ref = reference(tiny_weights, PROMPT_A)

@@ -170,15 +170,23 @@ class NodeBookings:
                 known = True
         return 1.0 - all_busy if known else 1.0
 
+    def chunk_s(self, node: str) -> float:
+        """Seconds of one prefill chunk of a colocated node while it decodes
+        (its ``interleave_tokens``); 0 for a node that is not colocated."""
+        p = self.prefill.get(node)
+        if p is None or not p.interleave_tokens:
+            return 0.0
+        return max(0.0, self.estimator_for(node).seconds(p.interleave_tokens, 0))
+
     def interleave(self, node: str) -> tuple[float, float]:
         """A colocated node that is decoding alternates one prefill chunk and
         one decode step on its compute thread: (the chunk's seconds, the
         step's); (0, 0) when ``node`` is not colocated or not decoding."""
-        p, d = self.prefill.get(node), self.decode.get(node)
-        if p is None or d is None or not p.interleave_tokens or d.batch_size <= 0:
+        d = self.decode.get(node)
+        chunk = self.chunk_s(node)
+        if d is None or chunk <= 0 or d.batch_size <= 0:
             return 0.0, 0.0
-        chunk = self.estimator_for(node).seconds(p.interleave_tokens, 0)
-        return max(chunk, 0.0), self.step_seconds(node)
+        return chunk, self.step_seconds(node)
 
     def prefill_share(self, node: str) -> float:
         """The share of wall time a prefill gets on ``node``: 1, or on a

@@ -203,10 +203,8 @@ class Scheduler(NodeBookings):
         the first queue / chunk intervals (at most all of them) each hold a
         chunk.  0 on a node that does not prefill."""
         p = self.prefill.get(node)
-        if p is None or not p.interleave_tokens or not p.alive:
-            return 0.0
-        chunk = self.estimator_for(node).seconds(p.interleave_tokens, 0)
-        if chunk <= 0:
+        chunk = self.chunk_s(node)
+        if p is None or not p.alive or chunk <= 0:
             return 0.0
         share = chunk / (chunk + step_s) if step_s > 0 else 1.0
         queued = p.queue_time(now, self.progress_fn(node)) - join_in_s * share

@@ -5,7 +5,8 @@ the node-count and CPU flags set it by hand), the CPU placement, the store
 size and the SLOs, then runs a ``LocalCluster`` (``local_cluster.py``):
 one conductor, N prefill and M decode nodes of this same binary on free
 loopback ports, each given ``--model``/``--config``/``--set``; prints the API
-URL and supervises the nodes until Ctrl-C/SIGTERM.
+URL and supervises the nodes until Ctrl-C/SIGTERM.  With ``--engine`` it runs
+the conductor alone, in front of those external engines.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
+import urllib.error
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -20,7 +23,7 @@ from typing import Optional
 import typer
 
 from mooncaked import layout as lay
-from mooncaked.local_cluster import LocalCluster
+from mooncaked.local_cluster import LocalCluster, http_json
 from mooncaked.placement import (DECODE, DEFAULT_PREFILL_NODES, PREFILL, Placement,
                                  default_prefill_nodes, parse_cpus, place)
 from mooncaked.store_memory import (DEFAULT_STORE_MEMORY, StoreMemoryError, available_bytes,
@@ -188,6 +191,84 @@ def _store_overrides(store_memory: Optional[str], cluster: "LocalCluster",
     return [f"store.capacity_bytes={per}"]
 
 
+# Flags that shape mooncaked's own nodes: meaningless in front of engines.
+OWN_NODE_FLAGS = ("--prefill", "--decode", "--colocated", "--cpp-group", "--cpus-prefill",
+                  "--cpus-decode", "--borrow/--no-borrow", "--store-memory", "--layout", "--demo",
+                  "--model")
+# How long `up --engine` waits for the engines to answer before saying which do not.
+ENGINE_WAIT_S = 30.0
+
+
+def _report_engines(url: str, wait_s: float) -> None:
+    """Print each engine as the conductor sees it, once all are up or after
+    ``wait_s``: a user should not have to read the log to learn that an URL
+    was wrong."""
+    deadline = time.monotonic() + wait_s
+    fleet: list[dict] = []
+    while True:
+        try:
+            _, status = http_json(url + "/admin/status", timeout=2.0)
+            fleet = (status.get("engines") or {}).get("fleet") or []
+        except (urllib.error.URLError, OSError, ValueError):
+            fleet = []
+        if (fleet and all(e["alive"] for e in fleet)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for e in fleet:
+        if e["alive"]:
+            typer.echo(f"engine {e['name']}: up, model {e['model']}, block size "
+                       f"{e['block_size']}, KV events from {', '.join(e['publishers']) or 'none'}",
+                       err=True)
+        else:
+            typer.echo(f"engine {e['name']}: not answering after {wait_s:g} s "
+                       f"({e['last_error']}); the conductor keeps trying every few seconds",
+                       err=True)
+
+
+def _run_cluster(cluster: LocalCluster, demo: bool, engines: bool = False) -> None:
+    """Start ``cluster``, print its API URL(s) and supervise it until
+    Ctrl-C/SIGTERM (or run the demo); exits with 1 when it cannot run."""
+    stop_requested = []
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        stop_requested.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    # A shell without job control starts a background job with SIGINT
+    # ignored, and Python keeps an inherited SIG_IGN: `kill -INT` (and
+    # Ctrl-C after `fg`) must still stop the cluster.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    code = 0
+    try:
+        typer.echo(f"starting local cluster (logs in {cluster.log_dir or 'a temp dir'}) ...", err=True)
+        cluster.start()
+        if engines:
+            _report_engines(cluster.url, ENGINE_WAIT_S)
+            typer.echo(f"conductor ready in front of the engines, logs in {cluster.log_dir}",
+                       err=True)
+        else:
+            typer.echo(f"cluster ready: {len(cluster.workers)} nodes, logs in {cluster.log_dir}",
+                       err=True)
+        for child in cluster.conductor_children:
+            typer.echo(f"API: {child.url}")
+        sys.stdout.flush()
+        if demo:
+            from mooncaked.demo import run_demo
+            run_demo(cluster.url)
+        else:
+            cluster.supervise()
+    except KeyboardInterrupt:
+        typer.echo("stopping cluster ...", err=True)
+    except (RuntimeError, CrashLoop) as exc:
+        typer.echo(f"mooncaked up: {exc}", err=True)
+        code = 1
+    finally:
+        cluster.stop()
+    typer.echo("cluster stopped", err=True)
+    raise typer.Exit(code)
+
+
 def register(app: typer.Typer) -> None:
     @app.command("up")
     def up(
@@ -282,9 +363,39 @@ def register(app: typer.Typer) -> None:
                  "set it by hand instead. disaggregated: prefill and decode nodes as "
                  "--prefill/--decode/--borrow say. colocated: --colocated nodes (default 1, "
                  "on every core)."),
+        engines: list[str] = typer.Option(
+            [], "--engine", metavar="URL",
+            help="Run only the conductor, in front of this OpenAI-compatible engine (vLLM with "
+                 "prefix caching and KV events; repeatable): it indexes what each engine "
+                 "caches, sends each request to the engine with the soonest predicted first "
+                 "token and answers 429 when none would meet the SLOs. "
+                 "URL[,events=tcp://H:P][,replay=tcp://H:P][,block_size=N]; mooncaked's own "
+                 "prefill/decode nodes are not started (the flags that shape them are refused). "
+                 "See docs/engines.md [conductor.engines]."),
     ) -> None:
         """Run a local cluster: one conductor plus prefill and decode nodes on loopback,
-        restarting a node that dies."""
+        restarting a node that dies (with --engine: the conductor alone, in front of engines)."""
+        if engines:
+            given = [flag for flag, on in zip(OWN_NODE_FLAGS, (
+                prefill is not None, decode is not None, colocated > 0, cpp_group > 0,
+                cpus_prefill is not None, cpus_decode is not None, borrow is not None,
+                store_memory is not None, layout != "auto", demo, model is not None)) if on]
+            if given:
+                typer.echo(f"mooncaked up: {', '.join(given)} shape mooncaked's own nodes; with "
+                           "--engine only the conductor runs, in front of the engines (serving "
+                           "their model)", err=True)
+                raise typer.Exit(2)
+            if conductors > 1 and not etcd:
+                typer.echo("mooncaked up: --conductors above 1 needs --etcd", err=True)
+                raise typer.Exit(2)
+            slo = [f"conductor.ttft_slo_s={ttft_slo_s}"] if ttft_slo_s is not None else []
+            slo += [f"conductor.tbt_slo_ms={tbt_slo_ms}"] if tbt_slo_ms is not None else []
+            cluster = LocalCluster(
+                prefill=0, decode=0, config=config, overrides=slo + list(overrides), port=port,
+                log_dir=log_dir, restart_policy=DEFAULT_RESTART_POLICY if restart else None,
+                etcd=etcd, conductors=conductors,
+                conductor_args=[arg for url in engines for arg in ("--engine", url)])
+            _run_cluster(cluster, demo=False, engines=True)
         try:
             prefill_cpus = parse_cpus(cpus_prefill) if cpus_prefill else None
             decode_cpus = parse_cpus(cpus_decode) if cpus_decode else None
@@ -358,36 +469,4 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(2) from None
         # Before the user's --set, which wins.
         cluster.overrides = store + slo + cluster.overrides
-        stop_requested = []
-
-        def on_signal(signum, frame):  # noqa: ARG001
-            stop_requested.append(signum)
-            raise KeyboardInterrupt
-
-        signal.signal(signal.SIGTERM, on_signal)
-        # A shell without job control starts a background job with SIGINT
-        # ignored, and Python keeps an inherited SIG_IGN: `kill -INT` (and
-        # Ctrl-C after `fg`) must still stop the cluster.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        code = 0
-        try:
-            typer.echo(f"starting local cluster (logs in {cluster.log_dir or 'a temp dir'}) ...", err=True)
-            cluster.start()
-            typer.echo(f"cluster ready: {len(cluster.workers)} nodes, logs in {cluster.log_dir}", err=True)
-            for child in cluster.conductor_children:
-                typer.echo(f"API: {child.url}")
-            sys.stdout.flush()
-            if demo:
-                from mooncaked.demo import run_demo
-                run_demo(cluster.url)
-            else:
-                cluster.supervise()
-        except KeyboardInterrupt:
-            typer.echo("stopping cluster ...", err=True)
-        except (RuntimeError, CrashLoop) as exc:
-            typer.echo(f"mooncaked up: {exc}", err=True)
-            code = 1
-        finally:
-            cluster.stop()
-        typer.echo("cluster stopped", err=True)
-        raise typer.Exit(code)
+        _run_cluster(cluster, demo)

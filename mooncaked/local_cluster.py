@@ -200,6 +200,8 @@ class LocalCluster:
     etcd: bool = False
     conductors: int = 1
     etcd_process: Optional[EtcdProcess] = None
+    # Extra command-line arguments of the conductor(s) (``up --engine``).
+    conductor_args: list[str] = field(default_factory=list)
     # How ``poll_restarts`` treats a node that died; None: any exit is fatal.
     restart_policy: Optional[RestartPolicy] = field(default_factory=RestartPolicy)
     # CPU sets and torch threads per node (mooncaked.placement); None: every
@@ -293,10 +295,11 @@ class LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if self.etcd:
             self._start_etcd()
-        self._spawn("conductor", "conductor", [], port=self.port,
+        self._spawn("conductor", "conductor", list(self.conductor_args), port=self.port,
                     placed=self._placed(CONDUCTOR, 0))
         for i in range(1, self.conductors):
-            self._spawn(f"conductor-{i}", "conductor", [], placed=self._placed(CONDUCTOR, 0))
+            self._spawn(f"conductor-{i}", "conductor", list(self.conductor_args),
+                        placed=self._placed(CONDUCTOR, 0))
         deadline = time.monotonic() + timeout_s
         for child in self.conductor_children:
             self._wait_ready(child, deadline)

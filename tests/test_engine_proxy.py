@@ -110,10 +110,12 @@ async def conductor(urls: list[str], **conductor_keys) -> TestClient:
     app = web.Application(middlewares=[error_middleware])
     app.cleanup_ctx.append(engines_ctx(hash_seed=7))
     add_indexer_routes(app)
-    setup_engine_proxy(app, NodeContext(config=cfg),
+    ctx = NodeContext(config=cfg)
+    setup_engine_proxy(app, ctx,
                        PolynomialPrefillEstimator({"c0": 0.001, "n": 1e-5}),
                        DecodeEstimator(0.001, 0.0, 0.0))
     client = TestClient(TestServer(app))
+    client.metric = ctx.metrics.get_sample_value   # (name, labels) -> value or None
     await client.start_server()
 
     async def all_up() -> bool:
@@ -192,6 +194,16 @@ async def test_streams_pass_through_and_the_prefix_holder_is_chosen(engines):
         status = proxy.scheduler.status(0.0)
         assert status["ttft_error"]["count"] == 1
         assert all(e["booked"] == 0 and e["decoding"] == 0 for e in status["engines"].values())
+        # /metrics counts both as the conductor's own requests, and by engine;
+        # the prefix hit is the engine's own count (its usage).
+        m = client.metric
+        assert m("mooncaked_requests_total", {"status": "ok"}) == 2
+        assert m("mooncaked_engine_requests_total", {"engine": b.name, "status": "ok"}) == 1
+        # A whole answer's first token is not seen: only the stream has a TTFT.
+        assert m("mooncaked:time_to_first_token_seconds_count") == 1
+        assert m("mooncaked:prefix_cache_hits_total") == len(shared) // 4 * 4
+        assert m("mooncaked:generation_tokens_total") == 5 + 3
+        assert m("mooncaked:time_per_output_token_seconds_count") == 4   # 5 chunks, 4 gaps
     finally:
         await client.close()
 
@@ -205,6 +217,7 @@ async def test_refusals_and_engine_errors_are_openai_errors(engines):
         assert resp.status == 429 and int(resp.headers["Retry-After"]) >= 1
         err = (await resp.json())["error"]
         assert err["code"] == "ttft_slo" and "admit limit" in err["message"]
+        assert client.metric("mooncaked_rejections_total", {"reason": "ttft_slo"}) == 1
         resp = await client.post("/v1/completions", json={"model": "other", "prompt": "x"})
         assert resp.status == 404 and (await resp.json())["error"]["param"] == "model"
     finally:
@@ -241,6 +254,8 @@ async def test_a_client_leaving_cancels_the_engines_request(engines):
             return not sched.engines[a.name].requests
 
         await until(released, "the booking released")
+        assert client.metric("mooncaked_engine_requests_total",
+                             {"engine": a.name, "status": "cancelled"}) == 1
     finally:
         await client.close()
 

@@ -174,7 +174,8 @@ def setup_conductor(app: web.Application, ctx: NodeContext) -> None:
     add_indexer_routes(app)
     if c.engines:
         from roles.engines.proxy import setup_engine_proxy
-        setup_engine_proxy(app, ctx, cluster.scheduler.prefill_est, cluster.scheduler.decode_est)
+        setup_engine_proxy(app, ctx, cluster.scheduler.prefill_est, cluster.scheduler.decode_est,
+                           metrics)
 
     def nodes_status() -> list[dict]:
         now = time.monotonic()

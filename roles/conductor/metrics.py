@@ -56,6 +56,11 @@ class ConductorMetrics:
         self.tbt_error = Histogram(f"{p}:tbt_prediction_abs_error_seconds",
                                    "|predicted - actual| TBT per request",
                                    buckets=_TBT_BUCKETS, registry=registry)
+        # Requests the conductor proxied to external engines (conductor.engines),
+        # by engine and outcome: the fleet's share of the work at a glance.
+        self.engine_requests = Counter(f"{p}_engine_requests", "Requests proxied to an engine, "
+                                       "by engine and status", ["engine", "status"],
+                                       registry=registry)
 
     def rejected(self, reason: str) -> None:
         self.rejections.labels(reason).inc()
@@ -84,6 +89,26 @@ class ConductorMetrics:
             self.predicted_tbt.observe(trace.predicted_tbt_s)
             self.request_tbt.observe(trace.tbt_s)
             self.tbt_error.observe(abs(trace.predicted_tbt_s - trace.tbt_s))
+
+
+    def engine_first_token(self, ttft_s: float | None, predicted_ttft_s: float,
+                           prompt_tokens: int, cached_tokens: int) -> None:
+        """A proxied request's first token (the engines' side of first_token);
+        ``ttft_s`` None: a whole answer, whose first token the conductor
+        never sees, counts its prompt only."""
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+            self.predicted_ttft.observe(predicted_ttft_s)
+            self.ttft_error.observe(abs(predicted_ttft_s - ttft_s))
+        self.prefix_queries.inc(prompt_tokens)
+        self.prefix_hits.inc(cached_tokens)
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def engine_finished(self, engine: str, status: str, e2e_s: float, tokens: int) -> None:
+        self.requests.labels(status).inc()
+        self.engine_requests.labels(engine, status).inc()
+        self.e2e.observe(e2e_s)
+        self.generation_tokens.inc(tokens)
 
 
 class NodeLoadCollector(Collector):

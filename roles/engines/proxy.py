@@ -13,7 +13,9 @@ With ``conductor.engines`` set, the conductor's /v1/completions and
    (SSE passed through; a JSON answer whole); engine errors keep their
    status and OpenAI body;
 4. the first content chunk is the TTFT and the chunk intervals the TBT
-   the scheduler learns from.
+   the scheduler learns from; the conductor's metrics (/metrics) count
+   each request as for its own nodes, and by engine
+   (``mooncaked_engine_requests_total{engine, status}``).
 
 Failures: an engine that cannot be reached before answering is marked dead
 and the request goes to another (once); one that dies mid-answer is marked
@@ -39,6 +41,7 @@ from aiohttp import web
 from kvstore.keys import block_keys
 from mooncaked.node.context import NodeContext
 from mooncaked.node.errors import ApiError, StartupError, error_body, json_response, read_json
+from roles.conductor.metrics import ConductorMetrics
 from roles.engines.fleet import Engine, EngineFleet, EngineSpec, EngineSpecError
 from roles.engines.indexer_api import ENGINES
 from roles.scheduling.config import scheduler_config
@@ -83,6 +86,8 @@ class StreamTiming:
     chunks: int = 0
     done: bool = False   # the engine sent [DONE]
     usage: dict | None = field(default=None)
+    # Gaps between consecutive content chunks, oldest first.
+    intervals: list[float] = field(default_factory=list)
 
     def saw(self, line: bytes, now: float) -> None:
         if not line.startswith(b"data:"):
@@ -98,6 +103,8 @@ class StreamTiming:
         if isinstance(event, dict) and event.get("usage"):
             self.usage = event["usage"]
         if _has_content(event):
+            if self.last_at is not None:
+                self.intervals.append(now - self.last_at)
             self.first_at = self.first_at if self.first_at is not None else now
             self.last_at = now
             self.chunks += 1
@@ -124,6 +131,33 @@ def _has_content(event) -> bool:
     return False
 
 
+def _usage_of(answer: bytes) -> dict | None:
+    """The ``usage`` of a whole (non-streamed) OpenAI answer, if it has one."""
+    try:
+        usage = orjson.loads(answer).get("usage")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    return usage if isinstance(usage, dict) else None
+
+
+def _cached_tokens(usage: dict | None) -> int | None:
+    """The engine's own count of prompt tokens it reused (vLLM reports it with
+    --enable-prompt-tokens-details), or None where it did not say."""
+    details = (usage or {}).get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if type(cached) is int else None
+
+
+@dataclass
+class ProxiedRequest:
+    """One request on its way through an engine, as the metrics count it."""
+
+    decision: EngineDecision
+    prompt_tokens: int
+    started_at: float     # time.monotonic() when the conductor received it
+    first_token_counted: bool = False
+
+
 def _client_gone(request: web.Request) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()
@@ -131,11 +165,13 @@ def _client_gone(request: web.Request) -> bool:
 
 class EngineProxy:
     def __init__(self, fleet: EngineFleet, scheduler: EngineScheduler,
-                 session: aiohttp.ClientSession, max_request_bytes: int) -> None:
+                 session: aiohttp.ClientSession, max_request_bytes: int,
+                 metrics: ConductorMetrics) -> None:
         self.fleet = fleet
         self.scheduler = scheduler
         self.session = session
         self.max_request_bytes = max_request_bytes
+        self.metrics = metrics
         # A generation may run for minutes: only connecting is bounded (the
         # fleet's polls and _watched notice an engine that stops answering).
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
@@ -233,6 +269,7 @@ class EngineProxy:
         raise ApiError(503, "no engine is up; retry later", headers={"Retry-After": "1"})
 
     async def _generate(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
+        started_at = time.monotonic()
         body = await read_json(request, self.max_request_bytes)
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
@@ -253,6 +290,7 @@ class EngineProxy:
                                                among={e.name for e in candidates},
                                                block_keys=keys, block_size=block_size)
             if isinstance(decision, Rejection):
+                self.metrics.rejected(decision.reason)
                 error = rejection_error(decision)
                 log.info("%s %d %s (%d prompt tokens)", request_id, error.status, error.message,
                          prompt_tokens)
@@ -270,43 +308,73 @@ class EngineProxy:
                 upstream = await self._watched(request, engine, send())
             except asyncio.CancelledError:
                 self.scheduler.on_failed(engine.name, request_id, time.monotonic())
+                self._count(engine.name, "cancelled", started_at, 0)
                 raise
             except EngineGone as exc:
                 # Nothing was answered: the request may go to another engine.
                 self.scheduler.on_failed(engine.name, request_id, time.monotonic())
                 await self.fleet.mark_dead(engine.name, f"POST {path}: {exc}")
                 if attempt == MAX_ATTEMPTS:
+                    self._count(engine.name, "error", started_at, 0)
                     raise ApiError(502, f"engine {engine.name} failed before answering: "
                                         f"{exc}") from None
                 continue
+            proxied = ProxiedRequest(decision, prompt_tokens, started_at)
             try:
-                return await self._answer(request, upstream, engine, decision, streamed)
+                return await self._answer(request, upstream, engine, proxied, streamed)
             finally:
                 upstream.release()
         raise AssertionError("unreachable")
 
+    def _count(self, engine: str, status: str, started_at: float, tokens: int) -> None:
+        self.metrics.engine_finished(engine, status, time.monotonic() - started_at, tokens)
+
+    def _first_token(self, proxied: ProxiedRequest, at: float | None, usage: dict | None) -> None:
+        """Count a request's first token once: its TTFT against the prediction
+        (``at`` None: not seen, a whole answer), and its prefix hit (the
+        engine's count where its usage says, else the index's match it was
+        routed on)."""
+        if proxied.first_token_counted:
+            return
+        proxied.first_token_counted = True
+        cached = _cached_tokens(usage)
+        self.metrics.engine_first_token(
+            at - proxied.started_at if at is not None else None,
+            proxied.decision.predicted_ttft_s, proxied.prompt_tokens,
+            cached if cached is not None else proxied.decision.prefix_tokens)
+
     async def _answer(self, request: web.Request, upstream: aiohttp.ClientResponse,
-                      engine: Engine, decision: EngineDecision,
+                      engine: Engine, proxied: ProxiedRequest,
                       streamed: bool) -> web.StreamResponse:
+        decision = proxied.decision
         rid, name = decision.request_id, engine.name
         headers = {"x-request-id": rid, "x-mooncaked-engine": name,
                    "x-mooncaked-predicted-ttft-ms": f"{decision.predicted_ttft_s * 1000:.1f}",
                    "x-mooncaked-cached-tokens": str(decision.prefix_tokens)}
         if upstream.status != 200:
             self.scheduler.on_failed(name, rid, time.monotonic())
+            self._count(name, "error", proxied.started_at, 0)
             raise _engine_error(upstream.status, await upstream.content.read(MAX_ERROR_BYTES))
         if not streamed or not upstream.content_type.startswith("text/event-stream"):
             try:
                 answer = await self._watched(request, engine, upstream.read())
             except EngineGone as exc:
                 self.scheduler.on_failed(name, rid, time.monotonic())
+                self._count(name, "error", proxied.started_at, 0)
                 await self.fleet.mark_dead(name, str(exc))
                 raise ApiError(502, f"engine {name} failed while answering: {exc}") from None
             except asyncio.CancelledError:
                 self.scheduler.on_failed(name, rid, time.monotonic())
+                self._count(name, "cancelled", proxied.started_at, 0)
                 upstream.close()   # the engine aborts the request
                 raise
-            self.scheduler.on_finished(name, rid, time.monotonic())
+            now = time.monotonic()
+            self.scheduler.on_finished(name, rid, now)
+            usage = _usage_of(answer)
+            self._first_token(proxied, None, usage)
+            completion = (usage or {}).get("completion_tokens")
+            self._count(name, "ok", proxied.started_at,
+                        completion if type(completion) is int else 0)
             return web.Response(body=answer, headers=headers,
                                 content_type=upstream.content_type or "application/json")
         resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
@@ -314,9 +382,10 @@ class EngineProxy:
         await resp.prepare(request)
         timing = StreamTiming()
         try:
-            await self._watched(request, engine, self._relay(upstream, resp, timing, decision))
+            await self._watched(request, engine, self._relay(upstream, resp, timing, proxied))
         except asyncio.CancelledError:   # the client went away (or the handler was cancelled)
             self.scheduler.on_failed(name, rid, time.monotonic())
+            self._stream_ended(name, proxied, timing, "cancelled")
             upstream.close()
             log.info("%s: client went away mid-stream; engine request closed", rid)
             raise
@@ -324,8 +393,10 @@ class EngineProxy:
             self.scheduler.on_failed(name, rid, time.monotonic())
             upstream.close()
             if isinstance(exc, ConnectionError):   # writing to a client that left
+                self._stream_ended(name, proxied, timing, "cancelled")
                 log.info("%s: client went away mid-stream; engine request closed", rid)
                 return resp
+            self._stream_ended(name, proxied, timing, "error")
             await self.fleet.mark_dead(name, str(exc))
             message = f"engine {name} failed mid-stream: {exc}; retry the request"
             try:
@@ -337,10 +408,23 @@ class EngineProxy:
             return resp
         self.scheduler.on_finished(name, rid, time.monotonic(), timing.mean_interval_s(),
                                    timing.chunks)
+        self._stream_ended(name, proxied, timing, "ok")
         return resp
 
+    def _stream_ended(self, engine: str, proxied: ProxiedRequest, timing: StreamTiming,
+                      status: str) -> None:
+        """Count a stream once it ended: its first token (the usage, which
+        says what the engine reused, comes last), its token gaps, its end."""
+        if timing.first_at is not None:
+            self._first_token(proxied, timing.first_at, timing.usage)
+        for gap in timing.intervals:
+            self.metrics.tbt.observe(gap)
+        completion = (timing.usage or {}).get("completion_tokens")
+        self._count(engine, status, proxied.started_at,
+                    completion if type(completion) is int else timing.chunks)
+
     async def _relay(self, upstream: aiohttp.ClientResponse, resp: web.StreamResponse,
-                     timing: StreamTiming, decision: EngineDecision) -> None:
+                     timing: StreamTiming, proxied: ProxiedRequest) -> None:
         """Pass the engine's SSE lines on as they come; report the first
         content chunk.  A read that fails is the engine's failure
         (EngineGone), a write that fails the client's (ConnectionError)."""
@@ -356,6 +440,7 @@ class EngineProxy:
             had_first = timing.first_at is not None
             timing.saw(line, now)
             if not had_first and timing.first_at is not None:
+                decision = proxied.decision
                 self.scheduler.on_first_token(decision.engine, decision.request_id, now)
             await resp.write(line)
         if not timing.done:
@@ -429,7 +514,8 @@ def add_engine_proxy_routes(app: web.Application) -> None:
 
 
 def setup_engine_proxy(app: web.Application, ctx: NodeContext, prefill_prior: PrefillEstimator,
-                       decode_prior: DecodeEstimator) -> None:
+                       decode_prior: DecodeEstimator,
+                       metrics: ConductorMetrics | None = None) -> None:
     """Serve the OpenAI routes from ``conductor.engines``: the fleet and the
     proxy live as long as the app (after engines_ctx, whose registry they
     use); the scheduler's learned state goes to /admin/status as "engines".
@@ -441,12 +527,14 @@ def setup_engine_proxy(app: web.Application, ctx: NodeContext, prefill_prior: Pr
     except EngineSpecError as exc:
         raise StartupError(str(exc)) from None
     scheduler = EngineScheduler(scheduler_config(section), prefill_prior, decode_prior)
+    metrics = metrics if metrics is not None else ConductorMetrics(ctx.metrics)
 
     async def proxy_ctx(app: web.Application):
         session = aiohttp.ClientSession()
         fleet = EngineFleet(specs, app[ENGINES], scheduler, session)
         fleet.start()
-        app[ENGINE_PROXY] = EngineProxy(fleet, scheduler, session, section.max_request_bytes)
+        app[ENGINE_PROXY] = EngineProxy(fleet, scheduler, session, section.max_request_bytes,
+                                        metrics)
         ctx.status_providers["engines"] = lambda: {
             "fleet": fleet.status(), **scheduler.status(time.monotonic())}
         yield

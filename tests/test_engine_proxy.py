@@ -24,6 +24,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from fixtures.fake_engine import FakeEngine, make_app
+from fixtures.tiny_tokenizer import write_tiny_tokenizer
 from mooncaked.node.config import load_config
 from mooncaked.node.context import NodeContext
 from mooncaked.node.errors import error_middleware
@@ -70,9 +71,9 @@ class EngineProcess:
 async def engines():
     made: list[InProcessEngine] = []
 
-    async def start(n: int = 2, token_s: float = 0.005) -> list[InProcessEngine]:
+    async def start(n: int = 2, token_s: float = 0.005, **engine_kw) -> list[InProcessEngine]:
         for _ in range(n):
-            server = TestServer(make_app(FakeEngine("model", 4, token_s)))
+            server = TestServer(make_app(FakeEngine("model", 4, token_s, **engine_kw)))
             await server.start_server()
             made.append(InProcessEngine(server))
         return made[-n:]
@@ -358,3 +359,65 @@ async def test_a_restarted_engine_comes_back_without_its_old_blocks(engines):
         finally:
             await fleet.close()
             await registry.close()
+
+
+async def _tokenize_calls(engine: InProcessEngine) -> int:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(engine.url + "/debug/aborted") as r:
+            return (await r.json())["tokenize_calls"]
+
+
+async def test_prompts_are_tokenized_here_with_the_engines_own_tokenizer(engines, tmp_path):
+    """The engines serve a checkpoint readable here whose tokenizer agrees
+    with theirs: the conductor tokenizes without a round trip, and routes on
+    the same keys as the engines' KV events."""
+    a, b = await engines(2, root=str(write_tiny_tokenizer(tmp_path)))
+    client = await conductor([a.url, b.url])
+    try:
+        proxy = client.app[ENGINE_PROXY]
+        assert all(e.tokenizer is not None and e.tokenizer.chat
+                   for e in proxy.fleet.engines.values())
+        shared = "hello world, the quick brown fox " * 4
+        async with aiohttp.ClientSession() as s:   # b caches the prefix, unseen by the conductor
+            async with s.post(b.url + "/v1/completions",
+                              json={"model": "model", "prompt": shared, "max_tokens": 1}) as r:
+                assert r.status == 200
+        probes = [await _tokenize_calls(e) for e in (a, b)]
+
+        async def b_holds_it() -> bool:
+            tokens = proxy.fleet.engines[b.name].tokenizer.prompt_tokens(shared)
+            hits = proxy.fleet.registry.index.prefix_tokens_per_instance(tokens, "model")
+            return hits.get(b.name, 0) > 0
+
+        await until(b_holds_it, "b's KV events indexed")
+        resp = await client.post("/v1/completions", json={
+            "model": "model", "prompt": shared + "the fox", "max_tokens": 2, "stream": True})
+        assert resp.status == 200 and resp.headers["x-mooncaked-engine"] == b.name
+        assert int(resp.headers["x-mooncaked-cached-tokens"]) > 0
+        await sse(resp)
+        resp = await client.post("/v1/chat/completions", json={
+            "model": "model", "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 2})
+        assert resp.status == 200
+        assert [await _tokenize_calls(e) for e in (a, b)] == probes
+        # Options that change the tokens still go to an engine.
+        resp = await client.post("/v1/completions", json={
+            "model": "model", "prompt": "hello", "max_tokens": 2, "add_special_tokens": False})
+        assert resp.status == 200
+        assert sum([await _tokenize_calls(e) for e in (a, b)]) == sum(probes) + 1
+    finally:
+        await client.close()
+
+
+async def test_a_local_tokenizer_that_disagrees_with_the_engine_is_not_used(engines, tmp_path):
+    (a,) = await engines(1, root=str(write_tiny_tokenizer(tmp_path)), tokenize_with_root=False)
+    client = await conductor([a.url])
+    try:
+        assert client.app[ENGINE_PROXY].fleet.engines[a.name].tokenizer is None
+        before = await _tokenize_calls(a)
+        resp = await client.post("/v1/completions", json={
+            "model": "model", "prompt": "hello world", "max_tokens": 2})
+        assert resp.status == 200
+        assert await _tokenize_calls(a) == before + 1
+    finally:
+        await client.close()

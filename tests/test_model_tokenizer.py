@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fixtures.tiny_tokenizer import write_tiny_tokenizer
 from model.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer, load_tokenizer
 
 
@@ -55,25 +56,7 @@ def test_incremental_detokenizer_streams_the_full_text(text):
 
 @pytest.fixture()
 def hf_dir(tmp_path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tk = Tokenizer(models.BPE(unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>",
-                                                                  "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tk.train_from_iterator(["hello world, the quick brown fox"] * 50, trainer)
-    tk.save(str(tmp_path / "tokenizer.json"))
-    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-                "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-                "{% endif %}")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": {"content": "<|im_end|>"}, "chat_template": template}))
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 4]}))
-    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 320}))
-    return tmp_path
+    return write_tiny_tokenizer(tmp_path)
 
 
 def test_hf_tokenizer(hf_dir):

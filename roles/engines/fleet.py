@@ -6,7 +6,10 @@ One task per engine (``conductor.engines``), a loop of two states:
   its blocks are indexed under), ``GET /metrics`` (block size from
   ``vllm:cache_config_info``, unless the spec gives one) and, unless the
   spec names the publisher, ``GET /kv_event_sources`` (one publisher per
-  data-parallel rank; a ``*`` host is the engine's).  When all of that
+  data-parallel rank; a ``*`` host is the engine's); where the model's
+  ``root`` is a checkpoint readable here whose tokenizer agrees with the
+  engine's on probe prompts, the proxy tokenizes locally
+  (``local_tokenizer.py``).  When all of that
   answers, its publishers are registered with the EngineRegistry (a fresh
   subscription: an engine back from the dead is most likely a new process
   whose cache is empty; what the old one still buffers is replayed) and
@@ -33,6 +36,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from roles.engines.engine_index import Publisher, PublisherKey
+from roles.engines.local_tokenizer import LocalTokenizer, TokenizerCache, verify
 from roles.engines.registry import EngineRegistry
 from roles.scheduling.engines import EngineScheduler
 
@@ -156,6 +160,8 @@ class Engine:
     last_metrics: EngineMetrics | None = None
     deaths: int = 0
     failed_polls: int = 0   # in a row
+    # Its tokenizer, loaded here and shown to agree with it; None: ask it.
+    tokenizer: LocalTokenizer | None = None
 
     @property
     def name(self) -> str:
@@ -180,6 +186,7 @@ class EngineFleet:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._tasks: list[asyncio.Task] = []
         self._wake: dict[str, asyncio.Event] = {}
+        self._tokenizers = TokenizerCache()
         for name in self.engines:
             scheduler.add_engine(name)
             scheduler.mark_dead(name)   # until discovery says otherwise
@@ -203,6 +210,8 @@ class EngineFleet:
                  "block_size": e.block_size, "deaths": e.deaths,
                  "last_error": None if e.alive else e.last_error,
                  "publishers": [str(k) for k in e.publishers],
+                 "tokenizes": ("engine" if e.tokenizer is None else
+                               "here" if e.tokenizer.chat else "here (chat: engine)"),
                  "metrics": vars(e.last_metrics) if e.last_metrics else None}
                 for e in self.engines.values()]
 
@@ -286,6 +295,7 @@ class EngineFleet:
             raise EngineDown("block size unknown: /metrics has no vllm:cache_config_info; "
                              "give block_size=N in the engine's spec")
         publishers = await self._publishers(engine, model, block_size)
+        engine.tokenizer = await self._local_tokenizer(engine, model, models["data"][0])
         for pub in publishers:
             await self.registry.register(pub)
         engine.model, engine.block_size = model, block_size
@@ -296,6 +306,36 @@ class EngineFleet:
                                   metrics.kv_usage, time.monotonic())
         log.info("engine %s is up: model %s, block size %d, publishers %s", engine.name, model,
                  block_size, [p.endpoint for p in publishers])
+
+    async def _local_tokenizer(self, engine: Engine, model: str,
+                               card: dict) -> LocalTokenizer | None:
+        """The engine's tokenizer here, if its checkpoint (``root`` of its
+        model card) is readable and agrees with it on the probes."""
+        root = card.get("root") if isinstance(card, dict) else None
+        tokenizer = await self._tokenizers.get(root)
+        if tokenizer is None:
+            log.info("engine %s: prompts are tokenized by the engine (its checkpoint %r is not "
+                     "readable here)", engine.name, root)
+            return None
+
+        async def ask(path: str, body: dict) -> list[int] | None:
+            try:
+                async with self.session.post(engine.spec.url + path, json=body,
+                                             timeout=self.timeout) as resp:
+                    answer = await resp.json() if resp.status == 200 else {}
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                return None
+            tokens = answer.get("tokens") if isinstance(answer, dict) else None
+            return tokens if isinstance(tokens, list) else None
+
+        local = await verify(tokenizer, model, ask)
+        if local is None:
+            log.info("engine %s: prompts are tokenized by the engine (the tokenizer at %s "
+                     "does not agree with it)", engine.name, root)
+        else:
+            log.info("engine %s: prompts%s are tokenized here with %s (agrees with the engine)",
+                     engine.name, " and chat messages" if local.chat else "", root)
+        return local
 
     async def _publishers(self, engine: Engine, model: str, block_size: int) -> list[Publisher]:
         spec = engine.spec

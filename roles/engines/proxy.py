@@ -3,9 +3,11 @@
 With ``conductor.engines`` set, the conductor's /v1/completions and
 /v1/chat/completions go here.  Per request:
 
-1. tokenize at a live engine serving the request's model (``POST
-   /tokenize`` with the prompt or the chat messages and template options),
-   so the token ids are the ones the engine caches;
+1. tokenize: here, with the engine's own tokenizer where the fleet loaded
+   it and showed it agrees with the engine (``local_tokenizer.py``); else at
+   a live engine serving the request's model (``POST /tokenize`` with the
+   prompt or the chat messages and template options), so the token ids are
+   the ones the engine caches;
 2. the engines' prefix hits from the index of their KV events, and the
    EngineScheduler's choice (Algorithm 1); a refusal is a 429 (503 when no
    engine is up) with Retry-After and the prediction in the message;
@@ -155,6 +157,7 @@ class ProxiedRequest:
     decision: EngineDecision
     prompt_tokens: int
     started_at: float     # time.monotonic() when the conductor received it
+    scheduled_at: float   # ... when it was booked at its engine (after tokenizing)
     first_token_counted: bool = False
 
 
@@ -237,9 +240,15 @@ class EngineProxy:
     async def _tokenize(self, body: dict, chat: bool) -> tuple[list[int], int]:
         """(token ids routed on, prompt tokens in all): the first prompt of a
         batch is routed on and the others counted as long as it."""
+        local = next((e.tokenizer for e in self._candidates(body) if e.tokenizer is not None),
+                     None)
         if chat:
             ask = {"model": body.get("model"), "messages": body.get("messages")}
             ask.update({k: body[k] for k in CHAT_TOKENIZE_KEYS if k in body})
+            if local is not None and len(ask) == 2:   # no template options
+                tokens = local.chat_tokens(ask["messages"])
+                if tokens is not None:
+                    return tokens, len(tokens)
             batch = 1
         else:
             prompt = body.get("prompt")
@@ -252,6 +261,9 @@ class EngineProxy:
             ask = {"model": body.get("model"), "prompt": first}
             if "add_special_tokens" in body:
                 ask["add_special_tokens"] = body["add_special_tokens"]
+            elif local is not None and isinstance(first, str):
+                tokens = local.prompt_tokens(first)
+                return tokens, len(tokens) * batch
         # The least loaded engine tokenizes: a round trip to a busy one
         # delays the first token, and one engine taking them all gets busy.
         for engine in sorted(self._candidates(body), key=lambda e: self.scheduler.load_of(e.name)):
@@ -285,7 +297,8 @@ class EngineProxy:
             hits = index.prefix_tokens_per_instance(tokens, candidates[0].model) if tokens else {}
             block_size = candidates[0].block_size or 0
             keys = block_keys(tokens, block_size) if tokens and block_size else []
-            decision = self.scheduler.schedule(request_id, prompt_tokens, hits, time.monotonic(),
+            scheduled_at = time.monotonic()
+            decision = self.scheduler.schedule(request_id, prompt_tokens, hits, scheduled_at,
                                                streamed=streamed,
                                                among={e.name for e in candidates},
                                                block_keys=keys, block_size=block_size)
@@ -319,7 +332,7 @@ class EngineProxy:
                     raise ApiError(502, f"engine {engine.name} failed before answering: "
                                         f"{exc}") from None
                 continue
-            proxied = ProxiedRequest(decision, prompt_tokens, started_at)
+            proxied = ProxiedRequest(decision, prompt_tokens, started_at, scheduled_at)
             try:
                 return await self._answer(request, upstream, engine, proxied, streamed)
             finally:
@@ -338,6 +351,15 @@ class EngineProxy:
             return
         proxied.first_token_counted = True
         cached = _cached_tokens(usage)
+        d = proxied.decision
+        if at is not None and log.isEnabledFor(logging.DEBUG):
+            # What the prediction was made of against what happened.
+            log.debug("%s at %s: TTFT %.1f ms (%.1f tokenizing), predicted %.1f (queue %.1f "
+                      "+ prefill %.1f + residual); %d prompt tokens, %d predicted cached, %s "
+                      "reported", d.request_id, d.engine, (at - proxied.started_at) * 1e3,
+                      (proxied.scheduled_at - proxied.started_at) * 1e3,
+                      d.predicted_ttft_s * 1e3, d.t_queue * 1e3, d.t_prefill * 1e3,
+                      proxied.prompt_tokens, d.prefix_tokens, cached)
         self.metrics.engine_first_token(
             at - proxied.started_at if at is not None else None,
             proxied.decision.predicted_ttft_s, proxied.prompt_tokens,

@@ -11,7 +11,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import pytest
 import typer
 from typer.testing import CliRunner
 

@@ -158,6 +158,7 @@ class ProxiedRequest:
     prompt_tokens: int
     started_at: float     # time.monotonic() when the conductor received it
     scheduled_at: float   # ... when it was booked at its engine (after tokenizing)
+    decoding_at_send: int = 0   # requests past their first token at the engine then
     first_token_counted: bool = False
 
 
@@ -332,7 +333,9 @@ class EngineProxy:
                     raise ApiError(502, f"engine {engine.name} failed before answering: "
                                         f"{exc}") from None
                 continue
-            proxied = ProxiedRequest(decision, prompt_tokens, started_at, scheduled_at)
+            state = self.scheduler.engines[engine.name]
+            proxied = ProxiedRequest(decision, prompt_tokens, started_at, scheduled_at,
+                                     state.ours_decoding() + state.foreign_running)
             try:
                 return await self._answer(request, upstream, engine, proxied, streamed)
             finally:
@@ -356,10 +359,11 @@ class EngineProxy:
             # What the prediction was made of against what happened.
             log.debug("%s at %s: TTFT %.1f ms (%.1f tokenizing), predicted %.1f (queue %.1f "
                       "+ prefill %.1f + residual); %d prompt tokens, %d predicted cached, %s "
-                      "reported", d.request_id, d.engine, (at - proxied.started_at) * 1e3,
+                      "reported; %d decoding there when sent", d.request_id, d.engine,
+                      (at - proxied.started_at) * 1e3,
                       (proxied.scheduled_at - proxied.started_at) * 1e3,
                       d.predicted_ttft_s * 1e3, d.t_queue * 1e3, d.t_prefill * 1e3,
-                      proxied.prompt_tokens, d.prefix_tokens, cached)
+                      proxied.prompt_tokens, d.prefix_tokens, cached, proxied.decoding_at_send)
         self.metrics.engine_first_token(
             at - proxied.started_at if at is not None else None,
             proxied.decision.predicted_ttft_s, proxied.prompt_tokens,

@@ -1,0 +1,110 @@
+"""Decode-side pricing: the TBT a request would see on each decode node.
+
+A reply's mean token interval, as a client scores it, from the decode
+node's predicted step at the load it will have when the request joins,
+scaled by the learned TBT log-ratio, plus the hand-off of its first
+interval and, on a colocated node, the prefill chunks interleaved between
+steps; the decode node with the least such TBT is the request's.  A mixin
+of Scheduler (scheduler.py), which holds the residual models
+(``tbt_residuals``, ``handoff_residuals``) and ``load_level()`` these
+methods read; nothing here blocks, sleeps or does I/O.
+"""
+from __future__ import annotations
+
+import math
+
+from .nodes import NodeBookings
+from .state import DecodeNodeState, ScheduleRequest
+
+
+class DecodePricing(NodeBookings):
+    def select_decode(self, req: ScheduleRequest, now: float | None = None,
+                      join_in_s: float = 0.0) -> tuple[DecodeNodeState | None, float]:
+        """The decode node with the least predicted TBT (``_decode_choice``)
+        and that TBT."""
+        best, tbt, _ = self._decode_choice(req, now, join_in_s, None)
+        return best, tbt
+
+    def tbt_ratio(self, node: str, now: float, level: int | None = None) -> float:
+        """What the node's predicted step is scaled by at admission:
+        exp(admit_quantile of its TBT log-ratio residuals); 1 with none."""
+        lvl = self.load_level() if level is None else level
+        return math.exp(self.tbt_residuals.bound(node, lvl, now))
+
+    @staticmethod
+    def handoff_key(decode_node: str, prefill_node: str | None) -> str:
+        """Hand-offs are learned per decode node and per kind: from its own
+        prefill (a colocated node starts decoding as it samples the first
+        token) or from another node's (a round trip through the conductor)."""
+        return f"{decode_node}~local" if decode_node == prefill_node else decode_node
+
+    def handoff_s(self, node: str, now: float, level: int | None = None,
+                  prefill_node: str | None = None) -> float:
+        """What a reply's first interval takes beyond a step on decode node
+        ``node`` after a prefill on ``prefill_node``, at admission: the
+        admit-quantile of those hand-off residuals (0 with none; never below
+        0, a hand-off cannot be quicker than no hand-off)."""
+        lvl = self.load_level() if level is None else level
+        key = self.handoff_key(node, prefill_node)
+        return max(0.0, self.handoff_residuals.bound(key, lvl, now))
+
+    def _interleaved_prefill_s(self, node: str, now: float, join_in_s: float, step_s: float,
+                               output_tokens: int) -> float:
+        """What prefill chunks add to the mean token interval of a reply of
+        ``output_tokens`` joining colocated ``node`` in ``join_in_s``: the
+        node alternates a step and a chunk while prefill work is queued, so
+        the first queue / chunk intervals (at most all of them) each hold a
+        chunk.  0 on a node that does not prefill."""
+        p = self.prefill.get(node)
+        chunk = self.chunk_s(node)
+        if p is None or not p.alive or chunk <= 0:
+            return 0.0
+        share = chunk / (chunk + step_s) if step_s > 0 else 1.0
+        queued = p.queue_time(now, self.progress_fn(node)) - join_in_s * share
+        intervals = max(1, output_tokens - 1)
+        return chunk * min(intervals, max(0.0, queued) / chunk) / intervals
+
+    @staticmethod
+    def mean_interval(step_s: float, ratio: float, handoff_s: float, output_tokens: int) -> float:
+        """The mean token interval (the TBT a client scores a reply by) of a
+        reply of ``output_tokens``: its first interval is a step plus the
+        hand-off, the others a step each scaled by the learned ``ratio``.  A
+        long reply's TBT is its steps'; a short reply's mostly its hand-off."""
+        intervals = max(1, output_tokens - 1)
+        return (step_s + handoff_s + (intervals - 1) * step_s * ratio) / intervals
+
+    def _decode_choice(self, req: ScheduleRequest, now: float | None = None, join_in_s: float = 0.0,
+                       prefill_node: str | None = None
+                       ) -> tuple[DecodeNodeState | None, float, float]:
+        """Least predicted TBT among live decode nodes with pages for the
+        request: (node, the mean interval of its reply from the step scaled
+        by the node's learned ``tbt_ratio`` plus its hand-off, the model's
+        step before that).
+
+        With `now`, TBT is predicted from the load each node will have when
+        the request joins it, `join_in_s` (its predicted TTFT) from now; the
+        paper's prediction-based early rejection. Without, from the current
+        batch plus this request.
+        """
+        tokens = req.prompt_tokens + req.expected_output_tokens
+        best, best_tbt, best_model = None, math.inf, math.inf
+        for d in self.decode.values():
+            if not d.alive or not d.accepting or d.free_pages < d.pages_for(tokens):
+                continue
+            if now is None:
+                tbt = self.decode_est.seconds(d.batch_size + 1, d.context_tokens + tokens)
+            elif self.config.reject_on_current_load:
+                load = self.current_decode_load(d.node_id)
+                tbt = self.decode_est.seconds(load.batch + 1,
+                                              load.context_tokens + req.prompt_tokens + 1)
+            else:
+                tbt = self._tbt_at_join(d.node_id, now + join_in_s, req.prompt_tokens)
+                tbt += self._interleaved_prefill_s(d.node_id, now, join_in_s, tbt,
+                                                   req.expected_output_tokens)
+            scaled = tbt if now is None else self.mean_interval(
+                tbt, self.tbt_ratio(d.node_id, now),
+                self.handoff_s(d.node_id, now, prefill_node=prefill_node),
+                req.expected_output_tokens)
+            if scaled < best_tbt:
+                best, best_tbt, best_model = d, scaled, tbt
+        return best, best_tbt, best_model

@@ -18,9 +18,9 @@ from .config import SchedulerConfig, scheduler_config
 from .estimators import DecodeEstimator, PrefillEstimator, TransferEstimator
 from .index import GlobalCacheIndex
 from .decode_pricing import DecodePricing
-from .nodes import (ARRIVAL_WINDOW_S, ARRIVALS_KEPT, BATCH_WAIT_SAMPLES,  # noqa: F401 (re-exported)
-                    RECENTLY_DONE_KEPT, YIELD_SHARE_FLOOR, YIELD_SHARE_HALF_LIFE_S,
-                    YIELD_SHARE_MIN_MODELLED_S)
+from .nodes import BATCH_WAIT_SAMPLES, RECENTLY_DONE_KEPT  # noqa: F401 (re-exported)
+from .yielding import (ARRIVAL_WINDOW_S, ARRIVALS_KEPT, YIELD_SHARE_FLOOR,  # noqa: F401
+                       YIELD_SHARE_HALF_LIFE_S, YIELD_SHARE_MIN_MODELLED_S)
 from .policies import PlanContext, Policy
 from .registry import make_policy
 from .residuals import ResidualModel, ResidualStats, load_level, log_ratio

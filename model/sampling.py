@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -42,6 +42,18 @@ if TYPE_CHECKING:
 # OpenAI documents logit_bias values in [-100, 100]; vLLM clamps to it.
 LOGIT_BIAS_LIMIT = 100.0
 PENALTY_LIMIT = 2.0  # presence_penalty and frequency_penalty in [-2, 2]
+# Alternatives per token a logprobs list may ask for (vLLM's default max_logprobs).
+MAX_TOP_LOGPROBS = 20
+
+
+class Sampled(NamedTuple):
+    """One sampled token: its id, its logprob (0.0 unless asked) and, when
+    ``top_logprobs`` is asked, the most likely (id, logprob) pairs, most
+    likely first.  Logprobs are under the model's own distribution."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -55,6 +67,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings (not included in output)
     ignore_eos: bool = False
     logprobs: bool = False  # report the logprob of each chosen token
+    # With logprobs: also the top_logprobs most likely tokens and theirs.
+    top_logprobs: int = 0
     presence_penalty: float = 0.0  # over output tokens: logit -= p if the token occurred
     frequency_penalty: float = 0.0  # over output tokens: logit -= f * occurrences
     repetition_penalty: float = 1.0  # over prompt and output tokens; 1: off
@@ -78,6 +92,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {self.top_logprobs}")
         for name in ("stop_token_ids", "eos_token_ids"):
             ids = getattr(self, name)
             if any(not isinstance(t, int) or t < 0 for t in ids):
@@ -167,7 +184,18 @@ def sample(logits: torch.Tensor, params: SamplingParams,
            generator: torch.Generator | None = None, *, prompt_ids: Sequence[int] = (),
            output_ids: Sequence[int] = (), eos_ids: Iterable[int] = (),
            grammar: GrammarMatcher | None = None) -> tuple[int, float]:
-    """(token id, its logprob) from logits [vocab] of one sequence.
+    """(token id, its logprob): ``sample_top`` without the alternatives."""
+    token, logprob, _ = sample_top(logits, params, generator, prompt_ids=prompt_ids,
+                                   output_ids=output_ids, eos_ids=eos_ids, grammar=grammar)
+    return token, logprob
+
+
+def sample_top(logits: torch.Tensor, params: SamplingParams,
+               generator: torch.Generator | None = None, *, prompt_ids: Sequence[int] = (),
+               output_ids: Sequence[int] = (), eos_ids: Iterable[int] = (),
+               grammar: GrammarMatcher | None = None) -> Sampled:
+    """The token sampled from logits [vocab] of one sequence, its logprob
+    and (``params.top_logprobs``) the most likely tokens' logprobs.
 
     ``prompt_ids``/``output_ids``/``eos_ids``: see ``process_logits`` (read
     only when the params turn the penalties or min_tokens on); ``grammar``:
@@ -186,7 +214,7 @@ def sample(logits: torch.Tensor, params: SamplingParams,
     if grammar is not None and not bool(torch.isfinite(logits).any()):
         # Nothing is left (min_tokens masks the EOS the grammar wants): the
         # grammar refuses whatever comes, and its sequence ends there.
-        return int(torch.argmax(logits.nan_to_num(neginf=0.0))), 0.0
+        return Sampled(int(torch.argmax(logits.nan_to_num(neginf=0.0))), 0.0)
     if params.greedy:
         token = int(torch.argmax(logits))
     else:
@@ -206,8 +234,15 @@ def sample(logits: torch.Tensor, params: SamplingParams,
             scaled = scaled.scatter(0, order[drop], float("-inf"))
         probs = torch.softmax(scaled, dim=-1)
         token = int(torch.multinomial(probs, 1, generator=generator))
-    logprob = float(torch.log_softmax(raw, dim=-1)[token]) if params.logprobs else 0.0
-    return token, logprob
+    if not params.logprobs:
+        return Sampled(token, 0.0)
+    logprobs = torch.log_softmax(raw, dim=-1)
+    top: tuple[tuple[int, float], ...] = ()
+    if params.top_logprobs:
+        k = min(params.top_logprobs, logprobs.shape[0])
+        values, ids = torch.topk(logprobs, k)
+        top = tuple(zip(ids.tolist(), values.tolist()))
+    return Sampled(token, float(logprobs[token]), top)
 
 
 def is_stop_token(token_id: int, params: SamplingParams, eos_token_ids: Sequence[int]) -> bool:

@@ -114,7 +114,7 @@ async def drain(queue: asyncio.Queue, until: int | None = None) -> tuple[list[in
         item = await asyncio.wait_for(queue.get(), timeout=30)
         if item is None:
             return streamed, "released"
-        token, _, finish = item
+        token, _, finish, _ = item
         streamed.append(token)
         if finish is not None:
             return streamed, finish
@@ -261,9 +261,9 @@ async def test_a_first_token_that_stops_never_reaches_the_batch(make_batcher):
     prompt = tokens(9, seed=8)
     first = await prefill(batcher, worker, "x", prompt, 5)
     queue = batcher.start("x", len(prompt), first, greedy(5, stop_token_ids=[first]))
-    assert queue.get_nowait() == (first, 0.0, "stop")
+    assert queue.get_nowait() == (first, 0.0, "stop", None)
     one = await prefill(batcher, worker, "y", prompt, 1)
-    assert batcher.start("y", len(prompt), one, greedy(1)).get_nowait() == (one, 0.0, "length")
+    assert batcher.start("y", len(prompt), one, greedy(1)).get_nowait() == (one, 0.0, "length", None)
     await asyncio.sleep(0.05)
     assert batcher.steps == 0 and worker.batches == [] and batcher.load().waiting == 0
 

@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model.sampling import SamplingParams, StopStringChecker, is_stop_token, sample
+from model.sampling import (MAX_TOP_LOGPROBS, SamplingParams, StopStringChecker, is_stop_token,
+                            sample, sample_top)
 
 LOGITS = torch.tensor([1.0, 3.0, 2.5, -1.0, 0.0, 2.9])
 
@@ -116,3 +117,23 @@ def test_logprob_is_finite_for_sampled_tokens():
     _, lp = sample(LOGITS, SamplingParams(temperature=0.7, top_k=3, seed=1, logprobs=True),
                    torch.Generator().manual_seed(1))
     assert math.isfinite(lp) and lp < 0
+
+
+def test_top_logprobs_are_the_most_likely_tokens_under_the_raw_logits():
+    # log_softmax([1, 3, 2.5, -1, 0, 2.9]): the logsumexp is
+    # log(e + e^3 + e^2.5 + e^-1 + 1 + e^2.9) = 3.8866...
+    lse = math.log(sum(math.exp(x) for x in LOGITS.tolist()))
+    # Penalties and temperature change the choice, not the reported logprobs.
+    token, logprob, top = sample_top(LOGITS, SamplingParams(
+        temperature=0, logprobs=True, top_logprobs=3, logit_bias={5: 1.0}))
+    assert token == 5 and logprob == pytest.approx(2.9 - lse)
+    assert [t for t, _ in top] == [1, 5, 2]
+    assert [lp for _, lp in top] == pytest.approx([3.0 - lse, 2.9 - lse, 2.5 - lse])
+    # Asked for more than the vocabulary: all of it, most likely first.
+    top = sample_top(LOGITS, SamplingParams(temperature=0, logprobs=True,
+                                            top_logprobs=MAX_TOP_LOGPROBS)).top
+    assert [t for t, _ in top] == [1, 5, 2, 0, 4, 3]
+    # Not asked: none computed.
+    assert sample_top(LOGITS, SamplingParams(temperature=0, logprobs=True)).top == ()
+    with pytest.raises(ValueError, match="top_logprobs"):
+        SamplingParams(top_logprobs=MAX_TOP_LOGPROBS + 1)

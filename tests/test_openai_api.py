@@ -21,7 +21,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from mooncaked.node.errors import ApiError, error_middleware
 from model.config import DUMMY_CONFIGS, page_layout
 from model.runner import DecodeSeq, ModelRunner, kv_pages_view
-from model.sampling import is_stop_token, sample
+from model.sampling import is_stop_token, sample_top
 from model.structured import GrammarMatcher
 from model.tokenizer import ByteTokenizer
 from model.weights import dummy_weights
@@ -106,18 +106,21 @@ class TinyBackend:
             for i in range(req.max_tokens):
                 if self.fail_after is not None and i == self.fail_after:
                     raise self.fail_with
+                top = ()
                 if self.script is not None:
                     tok, lp = self.script[i], -0.5
                     stop = i + 1 == len(self.script)
                 else:
-                    tok, lp = sample(logits, req.sampling, gen, prompt_ids=ids, output_ids=out,
-                                     eos_ids=self.tokenizer.eos_token_ids, grammar=grammar)
+                    tok, lp, top = sample_top(logits, req.sampling, gen, prompt_ids=ids,
+                                              output_ids=out,
+                                              eos_ids=self.tokenizer.eos_token_ids,
+                                              grammar=grammar)
                     if grammar is not None:
                         grammar.accept(tok)
                     stop = is_stop_token(tok, req.sampling, self.tokenizer.eos_token_ids)
                 finish = "stop" if stop else "length" if i + 1 == req.max_tokens else None
                 out.append(tok)
-                yield Token(tok, lp if req.sampling.logprobs else None, cached, finish)
+                yield Token(tok, lp if req.sampling.logprobs else None, cached, finish, top)
                 if finish:
                     self.finished.add(rid)
                     return
@@ -356,6 +359,32 @@ async def test_logprobs_and_echo(api):
     assert len(content) == 4 and all(c["logprob"] <= 0 and c["top_logprobs"] for c in content)
 
 
+async def test_top_logprobs(api):
+    """Completions: per token the chosen one and the k most likely, by text;
+    chat: the k most likely, most likely first.  Greedy: the chosen token is
+    the most likely one."""
+    _, data = await post(api, "/v1/completions", _base(prompt="abc", max_tokens=5, logprobs=3,
+                                                       temperature=0))
+    lp = data["choices"][0]["logprobs"]
+    for token, chosen, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert 1 <= len(top) <= 4 and top[token] == chosen
+        assert max(top.values()) == chosen and all(v <= 0 for v in top.values())
+    _, chat = await post(api, "/v1/chat/completions",
+                         _base(messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                               logprobs=True, top_logprobs=5, temperature=0))
+    for item in chat["choices"][0]["logprobs"]["content"]:
+        values = [t["logprob"] for t in item["top_logprobs"]]
+        assert len(values) == 5 and values == sorted(values, reverse=True)
+        assert item["top_logprobs"][0]["logprob"] == item["logprob"]
+        assert item["top_logprobs"][0]["bytes"] == list(item["top_logprobs"][0]["token"]
+                                                        .encode("utf-8", "surrogatepass"))
+    # Streamed chunks carry the same lists.
+    _, events = await post(api, "/v1/completions", _base(prompt="abc", max_tokens=3, logprobs=2,
+                                                         temperature=0, stream=True))
+    tops = [t for e in events[:-1] for t in e["choices"][0]["logprobs"]["top_logprobs"]]
+    assert len(tops) == 3 and all(1 <= len(t) <= 3 for t in tops)
+
+
 # ---- chat -----------------------------------------------------------------------
 
 async def test_chat_stream_and_non_stream(api):
@@ -453,13 +482,9 @@ ERRORS = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "echo": True}, 400, "echo"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 50}, 400, "logprobs"),
-    # Only the chosen token's logprob is computed: no top-k alternatives, no
-    # prompt logprobs (which echo with logprobs asks for).
-    ("/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 5}, 400, "logprobs"),
+    # Prompt logprobs (which echo with logprobs asks for) are not computed.
     ("/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 0, "echo": True}, 400,
      "echo"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                              "logprobs": True, "top_logprobs": 5}, 400, "top_logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "stream_options": {}}, 400,
      "stream_options"),
     ("/v1/completions", {"model": MODEL, "prompt": ["a"] * 9}, 400, "prompt"),

@@ -95,10 +95,16 @@ def one_logprob(client):
     assert all(len(top) == 1 for top in choice.logprobs.top_logprobs)
 
 
-def some_logprobs_refused(client):
-    # vLLM: 5 or 6 alternatives per token.
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        complete(client, prompt=TOKEN_PROMPT, max_tokens=5, logprobs=5)
+def some_logprobs(client):
+    # Per token: the chosen one and the 5 most likely (5 entries when it is
+    # one of them), keyed by their text.
+    [choice] = complete(client, prompt=TOKEN_PROMPT, max_tokens=5, logprobs=5,
+                        extra_body=LONG).choices
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert token in top and 1 <= len(top) <= 6
+        assert all(v <= 0 for v in top.values()) and max(top.values()) >= chosen - 1e-4
 
 
 def too_many_logprobs(client):
@@ -200,9 +206,14 @@ def chat_session(client):
     assert answer.usage.total_tokens == answer.usage.prompt_tokens + 5
     assert len(choice.logprobs.content) == 5
     assert len(choice.logprobs.content[0].top_logprobs) == 1
-    # vLLM: 5 alternatives per token.
-    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
-        chat(client, max_completion_tokens=5, logprobs=True, top_logprobs=5)
+    # The 5 most likely tokens at each position, most likely first.
+    content = chat(client, max_completion_tokens=5, logprobs=True, top_logprobs=5,
+                   extra_body=LONG).choices[0].logprobs.content
+    assert len(content) == 5
+    for item in content:
+        values = [t.logprob for t in item.top_logprobs]
+        assert len(values) == 5 and values == sorted(values, reverse=True)
+        assert item.logprob <= values[0] + 1e-4
     # A second turn with the answer in the history.
     history = [*CHAT, {"role": "assistant", "content": choice.message.content},
                {"role": "user", "content": "express your result in json"}]
@@ -252,7 +263,7 @@ def chat_stream_options_without_stream(client):
 
 SHAPES = [
     single_completion, token_id_prompt, no_logprobs, zero_logprobs, one_logprob,
-    some_logprobs_refused, too_many_logprobs, streaming_matches, stream_usage,
+    some_logprobs, too_many_logprobs, streaming_matches, stream_usage,
     stream_options_without_stream, batched_prompts, n_with_seed, echo,
     echo_with_logprobs_refused, stop_list, invalid_regex,
     chat_session, chat_logprobs_off_and_zero, chat_too_many_logprobs, chat_streaming,

@@ -12,7 +12,7 @@ import pytest
 
 from model.config import page_layout
 from model.runner import DecodeSeq, ModelRunner, kv_pages_view
-from model.sampling import SamplingParams, sample
+from model.sampling import Sampled, SamplingParams, sample_top
 from model.structured import GrammarMatcher, grammar_from_schema
 from model.tokenizer import ByteTokenizer
 from tests.cluster_helpers import complete, running_cluster, tokens, trace_of
@@ -26,6 +26,11 @@ A = ord("a")
 
 def reference(weights, prompt: list[int], params: SamplingParams) -> list[int]:
     """One request in one process, every token through ``sample``."""
+    return [s.token for s in reference_sampled(weights, prompt, params)]
+
+
+def reference_sampled(weights, prompt: list[int], params: SamplingParams) -> list[Sampled]:
+    """One request in one process: each token as ``sample_top`` gives it."""
     layout = page_layout(weights.config, 16)
     pages = -(-(len(prompt) + params.max_tokens) // 16)
     runner = ModelRunner(weights, kv_pages_view(bytearray(pages * layout.page_bytes), layout))
@@ -33,14 +38,17 @@ def reference(weights, prompt: list[int], params: SamplingParams) -> list[int]:
     logits = runner.prefill(prompt, table, 0)
     grammar = None if params.grammar is None else GrammarMatcher(params.grammar, ByteTokenizer())
     out: list[int] = []
+    sampled: list[Sampled] = []
     while True:
-        token, _ = sample(logits, params, prompt_ids=prompt, output_ids=out, eos_ids=[EOS],
+        step = sample_top(logits, params, prompt_ids=prompt, output_ids=out, eos_ids=[EOS],
                           grammar=grammar)
+        token = step.token
         if grammar is not None:
             assert grammar.accept(token)
         out.append(token)
+        sampled.append(step)
         if len(out) == params.max_tokens or (token == EOS and not params.ignore_eos):
-            return out
+            return sampled
         logits = runner.decode_step([DecodeSeq(token, len(prompt) + len(out) - 1, table)])[0]
 
 
@@ -90,6 +98,25 @@ def test_fields_match_the_single_process_reference(cluster, tiny_weights, case):
         assert bias_alone == [EOS]
         assert len(expected) == 4 and expected[3] == EOS and EOS not in expected[:3]
         assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_top_logprobs_match_the_single_process_reference(cluster, tiny_weights):
+    """The prefill node's first token and the decode node's others carry the
+    same logprobs and alternatives as one process computes."""
+    prompt = tokens(40, seed=11)
+    expected = reference_sampled(tiny_weights, prompt, SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True, logprobs=True, top_logprobs=4))
+    status, body = complete(cluster.url, prompt, max_tokens=6, logprobs=4)
+    assert status == 200, body
+    lp = body["choices"][0]["logprobs"]
+    text = ByteTokenizer().decode
+    assert lp["token_logprobs"] == pytest.approx([s.logprob for s in expected], abs=1e-4)
+    for got, want in zip(lp["top_logprobs"], expected):
+        ref = {text([want.token], skip_special=False): want.logprob}
+        for token, logprob in want.top:
+            ref.setdefault(text([token], skip_special=False), logprob)
+        assert got.keys() == ref.keys()
+        assert list(got.values()) == pytest.approx(list(ref.values()), abs=1e-4)
 
 
 YES_NO = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}},

@@ -207,6 +207,18 @@ def by_name(item: Check) -> Check:
     return check
 
 
+def top_logprobs(v: Any, where: str) -> list[tuple[int, float]]:
+    """The most likely tokens at one position: [[token id, logprob], ...]."""
+    if not isinstance(v, list):
+        raise _expected("a list of [token id, logprob] pairs", v, where)
+    out = []
+    for i, pair in enumerate(v):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise _expected("a [token id, logprob] pair", pair, f"{where}[{i}]")
+        out.append((integer()(pair[0], f"{where}[{i}][0]"), number(pair[1], f"{where}[{i}][1]")))
+    return out
+
+
 def message(cls: type[Message]) -> Check:
     """A nested message."""
     return lambda v, where: cls.from_wire(v, where)
@@ -228,7 +240,7 @@ def _logit_bias(v: Any, where: str) -> dict[int, float]:
 _SAMPLING = {"temperature": number, "top_p": number, "top_k": integer(),
              "seed": optional(integer(None)), "max_tokens": integer(1),
              "stop_token_ids": integers(), "stop": list_of(string),
-             "ignore_eos": boolean, "logprobs": boolean,
+             "ignore_eos": boolean, "logprobs": boolean, "top_logprobs": integer(),
              "presence_penalty": number, "frequency_penalty": number,
              "repetition_penalty": number, "min_tokens": integer(), "min_p": number,
              "logit_bias": _logit_bias, "eos_token_ids": integers(),
@@ -445,6 +457,9 @@ class TokenLine(Message):
     token: int = wire(integer())
     logprob: float | None = wire(optional(number), None)
     finish_reason: str | None = wire(optional(string), None)
+    # With top_logprobs asked: the most likely tokens there, most likely first.
+    top_logprobs: list[tuple[int, float]] | None = wire(optional(top_logprobs), None,
+                                                        omit_none=True)
 
 
 @dataclass(frozen=True)
@@ -571,6 +586,9 @@ class PrefillReply(Message):
     WHERE = "prefill reply"
     first_token: int = wire(integer())
     logprob: float | None = wire(optional(number), None)
+    # With top_logprobs asked: the first token's alternatives, most likely first.
+    top_logprobs: list[tuple[int, float]] | None = wire(optional(top_logprobs), None,
+                                                        omit_none=True)
     local_hit_tokens: int = wire(integer(), 0)
     fetched_tokens: int = wire(integer(), 0)
     computed_tokens: int = wire(integer(), 0)
@@ -695,6 +713,8 @@ class CppStageReport(Message):
     layers: list[int] = wire(integers())
     first_token: int | None = wire(optional(integer()), None, omit_none=True)
     logprob: float | None = wire(optional(number), None, omit_none=True)
+    top_logprobs: list[tuple[int, float]] | None = wire(optional(top_logprobs), None,
+                                                        omit_none=True)
 
 
 @dataclass(frozen=True)

@@ -409,7 +409,8 @@ class Dispatcher:
                 decode_stream = self._decode_stream(decode.url, request_id, token_ids,
                                                     first, sampling, trace, t0)
                 next_line = asyncio.ensure_future(anext(decode_stream))
-            yield Token(first, result.logprob, trace.cached_tokens, finish)
+            yield Token(first, result.logprob, trace.cached_tokens, finish,
+                        result.top_logprobs or ())
             token = None
             if next_line is not None:
                 token, next_line = await next_line, None
@@ -530,7 +531,8 @@ class Dispatcher:
                         raise ApiError(502, f"decode node ended the stream: {line.error}")
                     trace.token_times.append(time.perf_counter() - t0)
                     trace.output_token_ids.append(line.token)
-                    yield Token(line.token, line.logprob, trace.cached_tokens, line.finish_reason)
+                    yield Token(line.token, line.logprob, trace.cached_tokens, line.finish_reason,
+                                line.top_logprobs or ())
                     if line.finish_reason:
                         break
                 else:

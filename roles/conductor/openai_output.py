@@ -24,6 +24,9 @@ class LogprobEntry:
     token: str  # the token alone, decoded with specials shown ("\ufffd" for a partial character)
     logprob: float | None
     offset: int  # characters of the completion text produced before this token
+    # The most likely tokens there and their logprobs, most likely first
+    # (empty unless top logprobs were asked).
+    top: list[tuple[str, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -93,9 +96,11 @@ class ChoiceOutput:
         self.completion_tokens += 1
         self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
         if self.req.logprobs is not None:
+            decode = self._tok.decode
             self._entries.append(LogprobEntry(
-                self._tok.decode([event.token_id], skip_special=False), event.logprob,
-                self._decoded_chars))
+                decode([event.token_id], skip_special=False), event.logprob,
+                self._decoded_chars,
+                [(decode([t], skip_special=False), lp) for t, lp in event.top_logprobs]))
         delta = self._detok.add(event.token_id)
         finish = event.finish_reason
         if finish is None and self.completion_tokens >= self.req.max_tokens:
@@ -161,23 +166,41 @@ def usage(runs: Sequence[ChoiceOutput]) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)}}
 
 
+# What a logprob of -inf is reported as (JSON has no infinity).
+LOGPROB_FLOOR = -9999.0
+
+
 def _token_bytes(token: str) -> list[int]:
     return list(token.encode("utf-8", errors="surrogatepass"))
 
 
+def _finite(logprob: float | None) -> float | None:
+    """-inf (a token masked out) as the finite floor OpenAI-style APIs send."""
+    return None if logprob is None else max(logprob, LOGPROB_FLOOR)
+
+
 def completion_logprobs(entries: Sequence[LogprobEntry]) -> dict[str, Any]:
-    # Only the chosen token is known: top_logprobs holds just it.
+    """Per token its top_logprobs: the chosen token, then the most likely
+    ones (as vLLM: up to logprobs + 1 entries, keyed by their text)."""
+    tops = []
+    for e in entries:
+        top = {e.token: _finite(e.logprob)}
+        for token, logprob in e.top:
+            top.setdefault(token, _finite(logprob))
+        tops.append(top)
     return {"tokens": [e.token for e in entries],
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{e.token: e.logprob} for e in entries],
+            "token_logprobs": [_finite(e.logprob) for e in entries],
+            "top_logprobs": tops,
             "text_offset": [e.offset for e in entries]}
 
 
 def chat_logprobs(entries: Sequence[LogprobEntry], top: int) -> dict[str, Any]:
+    """Per token its top_logprobs: the ``top`` most likely tokens."""
     content = []
     for e in entries:
-        item = {"token": e.token, "logprob": e.logprob, "bytes": _token_bytes(e.token)}
-        item["top_logprobs"] = [dict(item)] if top > 0 else []
+        item = {"token": e.token, "logprob": _finite(e.logprob), "bytes": _token_bytes(e.token)}
+        item["top_logprobs"] = [{"token": t, "logprob": _finite(lp), "bytes": _token_bytes(t)}
+                                for t, lp in e.top[:top]]
         content.append(item)
     return {"content": content}
 

@@ -230,19 +230,6 @@ class _Options:
     n: int = 1  # choices per prompt
 
 
-# Alternatives per token a logprobs list can hold: the node that samples
-# sends only the chosen token's logprob, so a top-k list of k > 1 would
-# silently hold one entry.
-SERVED_TOP_LOGPROBS = 1
-
-
-def _served_logprobs(k: int | None, name: str) -> None:
-    if k is not None and k > SERVED_TOP_LOGPROBS:
-        raise ApiError(400, f"'{name}' above {SERVED_TOP_LOGPROBS} is not served: only the "
-                       f"chosen token's logprob is computed (got {k})", param=name,
-                       code="unsupported_value")
-
-
 def _stop_strings(body: dict) -> list[str]:
     stop = body.get("stop")
     if stop is None:
@@ -279,11 +266,9 @@ def _options(body: dict, backend: GenerationBackend, limits: ApiLimits, chat: bo
                            code="invalid_value")
         logprobs = (top or 0) if want else None
         echo = False
-        _served_logprobs(top, "top_logprobs")
     else:
         logprobs = get_int(body, "logprobs", lo=0, hi=limits.max_logprobs)
         echo = bool(get_bool(body, "echo"))
-        _served_logprobs(logprobs, "logprobs")
         if echo and logprobs is not None:
             # vLLM answers with the prompt tokens' logprobs first; a list
             # that silently lacks them would misalign with the echoed text.
@@ -310,7 +295,7 @@ def _options(body: dict, backend: GenerationBackend, limits: ApiLimits, chat: bo
         "stop": stop,
         "stop_token_ids": stop_ids or [],
         "ignore_eos": ignore_eos,
-        "logprobs": logprobs is not None,
+        "logprobs": logprobs is not None, "top_logprobs": logprobs or 0,
         # vLLM's definitions and order: model/sampling.py.
         "presence_penalty": get_float(body, "presence_penalty", -2.0, 2.0) or 0.0,
         "frequency_penalty": get_float(body, "frequency_penalty", -2.0, 2.0) or 0.0,

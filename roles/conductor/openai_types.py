@@ -29,7 +29,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, Union
 
-from model.sampling import SamplingParams
+from model.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 
 @dataclass
@@ -45,15 +45,16 @@ class ApiLimits:
     # Most prompts in one /v1/completions batch (each one is a generation).
     max_batch_prompts: int = 64
     # Most top logprobs a request may ask for (OpenAI allows 20; 5 for completions).
-    max_logprobs: int = 20
+    max_logprobs: int = MAX_TOP_LOGPROBS
 
     def __post_init__(self) -> None:
         for name in ("max_prompt_tokens", "max_request_bytes", "max_tokens_default",
                      "max_batch_prompts"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if not 0 <= self.max_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"max_logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {self.max_logprobs}")
 
 
 @dataclass
@@ -100,6 +101,9 @@ class Token:
     logprob: float | None = None  # log-probability of token_id (when logprobs asked)
     cached_tokens: int = 0  # prompt tokens whose KV was reused (prefix-cache hit)
     finish_reason: Literal["stop", "length"] | None = None  # set on the last token
+    # (token id, logprob) of the most likely tokens there, most likely first
+    # (when top logprobs were asked).
+    top_logprobs: Sequence[tuple[int, float]] = ()
 
 
 GenEvent = Union[Scheduled, Token]

@@ -82,8 +82,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
                 reason = "cancelled"
                 await resp.write(orjson.dumps(StreamError(error="cancelled").to_wire()) + b"\n")
                 break
-            token, logprob, finish = item
-            line = TokenLine(token=token, logprob=logprob, finish_reason=finish)
+            token, logprob, finish, top = item
+            line = TokenLine(token=token, logprob=logprob, finish_reason=finish,
+                             top_logprobs=top)
             await resp.write(orjson.dumps(line.to_wire()) + b"\n")
             if finish is not None:
                 reason = finish

@@ -47,7 +47,7 @@ import torch
 
 from model.decode_kv import SeqKV
 from model.runner import DecodeSeq
-from model.sampling import SamplingParams, sample
+from model.sampling import SamplingParams, sample_top
 from model.structured import GrammarMatcher
 from mooncaked.node.messages import DecodeSeqLoad, DecodeStepSample, NodeLoad
 from mooncaked.node.tasks import cancel_and_wait
@@ -224,13 +224,16 @@ class DecodeBatcher:
         # is the decode input, streamed back only if it already ends the request.
         self._emit(seq, first_token, 0.0, stream=False)
         if seq.finished is not None:
-            seq.out.put_nowait((first_token, 0.0, seq.finished))
+            seq.out.put_nowait((first_token, 0.0, seq.finished, None))
         else:
             self.waiting.append(seq)
             self._wake.set()
         return seq.out
 
-    def _emit(self, seq: Sequence, token: int, logprob: float, stream: bool = True) -> None:
+    def _emit(self, seq: Sequence, token: int, logprob: float, stream: bool = True,
+              top: list[tuple[int, float]] | None = None) -> None:
+        """Record ``token``; with ``stream``, queue (token, logprob,
+        finish_reason, top logprobs or None) for the sequence's reader."""
         seq.tokens.append(token)
         self.tokens_out += 1
         if token in seq.stop_ids:
@@ -239,7 +242,7 @@ class DecodeBatcher:
             seq.finished = "length"
         assert seq.out is not None
         if stream:
-            seq.out.put_nowait((token, logprob, seq.finished))
+            seq.out.put_nowait((token, logprob, seq.finished, top))
 
     def run(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="decode-batch")
@@ -283,15 +286,16 @@ class DecodeBatcher:
             for seq, row in zip(batch, logits):
                 if seq.finished is not None or seq.request_id not in self.seqs:
                     continue  # cancelled during the step
-                token, logprob = sample(row, seq.sampling, seq.generator,
-                                        prompt_ids=seq.prompt_ids, output_ids=seq.tokens,
-                                        eos_ids=self.eos_ids, grammar=seq.grammar)
+                token, logprob, top = sample_top(row, seq.sampling, seq.generator,
+                                                 prompt_ids=seq.prompt_ids, output_ids=seq.tokens,
+                                                 eos_ids=self.eos_ids, grammar=seq.grammar)
                 if seq.grammar is not None and not seq.grammar.accept(token):
                     # Only when every token was masked (min_tokens holding back
                     # the EOS the grammar wants): this token ends the sequence.
                     log.warning("%s: no token satisfies its grammar; stopping", seq.request_id)
                     seq.finished = "stop"
-                self._emit(seq, token, logprob)
+                self._emit(seq, token, logprob,
+                           top=list(top) if seq.sampling.top_logprobs else None)
             for seq in batch:
                 if seq.finished is not None and seq in self.running:
                     self._leave(seq)

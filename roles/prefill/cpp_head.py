@@ -103,6 +103,7 @@ class GroupPrefill:
             if last.first_token is None:
                 raise PrefillFailed(f"the last stage ({self.stage_urls[-1]}) sent no first token")
             result.first_token, result.logprob = last.first_token, last.logprob
+            result.top_logprobs = last.top_logprobs
             result.local_hit_tokens = final * worker.layout.block_size
             result.computed_tokens = len(spec.token_ids) - result.local_hit_tokens
             result.timings.compute_s = time.perf_counter() - t_compute

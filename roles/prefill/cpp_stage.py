@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from model.runner import chunk_bounds
-from model.sampling import sample
+from model.sampling import sample_top
 from model.structured import GrammarMatcher
 from mooncaked.node.errors import ApiError
 from mooncaked.node.internal_client import InternalCallError
@@ -158,16 +158,18 @@ class StageRun:
         if forwards:
             await asyncio.gather(*forwards)
         stage_s = time.perf_counter() - t0
-        token = logprob = None
+        token = logprob = top = None
         if self.is_last:
             grammar = None if spec.sampling.grammar is None else \
                 GrammarMatcher.for_model(spec.sampling.grammar, worker.config.model.model)
-            token, logprob = sample(last_out, spec.sampling, spec.sampling.make_generator(),
-                                    prompt_ids=spec.token_ids, grammar=grammar)
+            first = sample_top(last_out, spec.sampling, spec.sampling.make_generator(),
+                               prompt_ids=spec.token_ids, grammar=grammar)
+            token, logprob = first.token, first.logprob
+            top = list(first.top) if spec.sampling.top_logprobs else None
         report = CppStageReport(stage_compute_s=compute_s, stage_s=stage_s,
                                 boundary_bytes=self.boundary_bytes,
                                 layers=[worker.first_layer, worker.end_layer],
-                                first_token=token, logprob=logprob)
+                                first_token=token, logprob=logprob, top_logprobs=top)
         if job.prefix_cache:
             job.publish_new_blocks(table, self.prefix_blocks)
         await asyncio.gather(*job.sends)

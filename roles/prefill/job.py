@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from kvstore.shard import StoreFullError, StoreShard
-from model.sampling import sample
+from model.sampling import sample_top
 from model.structured import GrammarMatcher
 from mooncaked.node.internal_client import UNBOUNDED, InternalCallError
 from mooncaked.node.messages import (FetchPlan, LeaseGrant, LeaseRelease, LeaseRequest,
@@ -253,9 +253,10 @@ class PrefillJob:
         # reads the EOS ids the front end put in the params.
         grammar = None if spec.sampling.grammar is None else \
             GrammarMatcher.for_model(spec.sampling.grammar, self.worker.config.model.model)
-        result.first_token, result.logprob = sample(logits, spec.sampling,
-                                                    spec.sampling.make_generator(),
-                                                    prompt_ids=spec.token_ids, grammar=grammar)
+        first = sample_top(logits, spec.sampling, spec.sampling.make_generator(),
+                           prompt_ids=spec.token_ids, grammar=grammar)
+        result.first_token, result.logprob = first.token, first.logprob
+        result.top_logprobs = list(first.top) if spec.sampling.top_logprobs else None
         if self.prefix_cache:
             stored = self.publish_new_blocks(self.table, self.usable)
             if stored:

@@ -91,8 +91,9 @@ class WorkerNode:
     # is here as soon as this node's prefill samples its first token
     # (DecodeBatcher.start with early=True); None on a node that does not decode.
     start_decode_here: Callable[[str, int, int, Any, list[int]], Any] | None = None
-    # The fewest whole blocks whose fixed per-chunk cost (measured at
-    # warm-up) stays within prefill.interleave_overhead of the chunk's
+    # The most whole blocks computed within prefill.interleave_tbt_share of
+    # the TBT SLO, at least the fewest whose fixed per-chunk cost (measured
+    # at warm-up) stays within prefill.interleave_overhead of the chunk's
     # compute; 0 = not measured (chunks stay prefill_chunk).
     interleave_tokens: int = 0
 
@@ -222,7 +223,9 @@ class WorkerNode:
         bs = self.layout.block_size
         one = _best_of(3, lambda: self.runner.prefill([0], page, 0))
         block = _best_of(3, lambda: self.runner.prefill([0] * bs, page, 0))
-        return interleave_tokens(one, block, bs, share, self.config.model.prefill_chunk)
+        cfg = self.config
+        wait_s = cfg.prefill.interleave_tbt_share * cfg.conductor.tbt_slo_ms / 1000.0
+        return interleave_tokens(one, block, bs, share, cfg.model.prefill_chunk, wait_s)
 
     async def compute(self, fn: Callable[..., T], *args: Any) -> T:
         """Run model work on the compute thread."""
@@ -250,16 +253,18 @@ class WorkerNode:
 
 
 def interleave_tokens(one_token_s: float, block_s: float, block_size: int, share: float,
-                      prefill_chunk: int) -> int:
+                      prefill_chunk: int, wait_s: float = 0.0) -> int:
     """The chunk a prefill computes in while decode steps wait on it.
 
     A chunk of t tokens costs about o + c * t: o, what every chunk pays
     whatever its size (a pass over the weights, the per-layer calls), is the
     time of a one-token prefill; c, the rest of a block's time per token.
-    The fewest whole blocks with o <= share * (o + c * t): as short as a
-    decode step can wait on while the per-chunk cost stays within ``share``
-    of the compute; at most prefill_chunk (in whole blocks); 0 when
-    ``share`` is 0 (no interleave size: always prefill_chunk)."""
+    The most whole blocks whose time o + c * t fits ``wait_s`` (what a
+    decode step may wait on a chunk: the longer the chunk, the more of the
+    node's time goes to prefill and the sooner first tokens come), but at
+    least the fewest with o <= share * (o + c * t) (the per-chunk cost within
+    ``share`` of the compute); at most prefill_chunk (in whole blocks); 0
+    when ``share`` is 0 (no interleave size: always prefill_chunk)."""
     if share <= 0:
         return 0
     per_token = max(block_s - one_token_s, 1e-12) / max(1, block_size - 1)
@@ -267,7 +272,10 @@ def interleave_tokens(one_token_s: float, block_s: float, block_size: int, share
     largest = max(block_size, prefill_chunk - prefill_chunk % block_size)
     if not math.isfinite(tokens):
         return largest
-    return min(largest, max(1, math.ceil(tokens / block_size)) * block_size)
+    fewest = max(1, math.ceil(tokens / block_size)) * block_size
+    fitting = math.floor((wait_s - one_token_s) / per_token / block_size) * block_size \
+        if wait_s > one_token_s else 0
+    return min(largest, max(fewest, fitting))
 
 
 def _best_of(repeats: int, fn: Callable[[], Any]) -> float:

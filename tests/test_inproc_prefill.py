@@ -256,6 +256,17 @@ def test_the_interleave_chunk_is_the_fewest_blocks_within_the_overhead_share():
     assert interleave_tokens(0.0, 0.0035, 16, 0.2, 1024) == 16
 
 
+def test_the_interleave_chunk_grows_to_what_a_decode_step_may_wait():
+    # o = 2 ms, c = 0.1 ms/token: 20 ms fit (20 - 2) / 0.1 = 180 tokens -> 11
+    # blocks = 176; 5 ms fit 30 tokens, under the overhead floor of 80.
+    assert interleave_tokens(0.002, 0.0035, 16, 0.2, 1024, wait_s=0.020) == 176
+    assert interleave_tokens(0.002, 0.0035, 16, 0.2, 1024, wait_s=0.005) == 80
+    assert interleave_tokens(0.002, 0.0035, 16, 0.2, 1024, wait_s=0.001) == 80
+    # Never above prefill_chunk, and share 0 still means no interleave size.
+    assert interleave_tokens(0.002, 0.0035, 16, 0.2, 100, wait_s=1.0) == 96
+    assert interleave_tokens(0.002, 0.0035, 16, 0.0, 1024, wait_s=1.0) == 0
+
+
 @pytest.mark.parametrize("decoding, chunks", [
     (False, ["chunk [0, 40)"]),
     (True, ["chunk [0, 16)", "chunk [16, 32)", "chunk [32, 40)"])])

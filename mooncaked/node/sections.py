@@ -179,6 +179,11 @@ class PrefillSection:
     # chunk's time: a decode step waits for one such chunk, not a whole
     # model.prefill_chunk.  0 = always model.prefill_chunk.
     interleave_overhead: float = 0.2
+    # ... and grows to the most whole blocks computed within this share of
+    # conductor.tbt_slo_ms (measured at start; at most model.prefill_chunk):
+    # a decode step waits at most that long for a chunk, and the longer the
+    # chunk the more of the node's time prefill gets.  0 = the fewest blocks.
+    interleave_tbt_share: float = 0.5
     # Give up on a peer prefix fetch after this long and recompute instead.
     fetch_timeout_s: float = 10.0
     # Chunked Pipeline Parallelism: this node is stage `cpp_stage` of the
@@ -207,6 +212,8 @@ class PrefillSection:
             raise ValueError("prefill.fetch_timeout_s must be positive")
         if not 0 <= self.interleave_overhead < 1:
             raise ValueError("prefill.interleave_overhead must be in [0, 1)")
+        if not 0 <= self.interleave_tbt_share < 1:
+            raise ValueError("prefill.interleave_tbt_share must be in [0, 1)")
         if self.cpp_stages < 1 or not 0 <= self.cpp_stage < self.cpp_stages:
             raise ValueError("prefill.cpp_stage must be in [0, prefill.cpp_stages)")
         if (self.cpp_stages > 1) != bool(self.cpp_group):

@@ -91,3 +91,26 @@ def test_hand_offs_are_learned_apart_from_a_nodes_own_prefill_and_from_others():
     # (12 samples each, under a second old: trusted; the cluster's mixes both)
     assert s.handoff_s("c0", 0.6, prefill_node="c0") == pytest.approx(0.001)
     assert s.handoff_s("c0", 0.6, prefill_node="p1") == pytest.approx(0.040)
+
+
+def test_the_tbt_ratio_learns_the_step_not_prefills_that_came_later():
+    # "a" was priced with nothing queued on c0 (no chunk in its intervals);
+    # while it decoded, two 0.064 s prefills ran there.  Its 5 intervals
+    # (one hand-off, four after it) held them: 0.128 / 5 = 0.0256 s each on
+    # top of the 0.016 s step, which is what the model's interval is taken
+    # to be, so the step's own ratio stays 1 (log-ratio 0) rather than
+    # 0.0416 / 0.016 = 2.6.
+    s = sched()
+    for i in range(10):
+        t = i * 1.0
+        a = s.schedule(req(f"a{i}", 64, out=6), now=t)
+        assert a.predicted_tbt_s == pytest.approx(STEP)
+        s.on_prefill_finished("c0", a.request_id, now=t + 0.064, actual_seconds=0.064)
+        for j, done in enumerate((t + 0.2, t + 0.3)):
+            b = s.schedule(req(f"b{i}-{j}", 64, out=1), now=done - 0.1)
+            s.on_prefill_finished("c0", b.request_id, now=done, actual_seconds=0.064)
+            s.on_decode_finished("c0", b.request_id, done)
+        s.on_decode_finished("c0", a.request_id, t + 0.5,
+                             [STEP] + [STEP + 0.128 / 5] * 4)
+    assert s.residual_stats(10.0)["tbt_log_ratio"]["c0/0"].samples == 10
+    assert s.tbt_ratio("c0", 10.0, level=0) == pytest.approx(1.0, abs=1e-6)

@@ -22,7 +22,7 @@ class DecodePricing(NodeBookings):
                       join_in_s: float = 0.0) -> tuple[DecodeNodeState | None, float]:
         """The decode node with the least predicted TBT (``_decode_choice``)
         and that TBT."""
-        best, tbt, _ = self._decode_choice(req, now, join_in_s, None)
+        best, tbt, _, _ = self._decode_choice(req, now, join_in_s, None)
         return best, tbt
 
     def tbt_ratio(self, node: str, now: float, level: int | None = None) -> float:
@@ -75,11 +75,12 @@ class DecodePricing(NodeBookings):
 
     def _decode_choice(self, req: ScheduleRequest, now: float | None = None, join_in_s: float = 0.0,
                        prefill_node: str | None = None
-                       ) -> tuple[DecodeNodeState | None, float, float]:
+                       ) -> tuple[DecodeNodeState | None, float, float, float]:
         """Least predicted TBT among live decode nodes with pages for the
-        request: (node, the mean interval of its reply from the step scaled
-        by the node's learned ``tbt_ratio`` plus its hand-off, the model's
-        step before that).
+        request: (node, the mean interval of its reply from the model's
+        interval scaled by the node's learned ``tbt_ratio`` plus its
+        hand-off, the model's step, the prefill chunks it adds per interval
+        on a colocated node; the model's interval is the sum of the last two).
 
         With `now`, TBT is predicted from the load each node will have when
         the request joins it, `join_in_s` (its predicted TTFT) from now; the
@@ -87,8 +88,9 @@ class DecodePricing(NodeBookings):
         batch plus this request.
         """
         tokens = req.prompt_tokens + req.expected_output_tokens
-        best, best_tbt, best_model = None, math.inf, math.inf
+        best, best_tbt, best_step, best_chunks = None, math.inf, math.inf, 0.0
         for d in self.decode.values():
+            chunks = 0.0
             if not d.alive or not d.accepting or d.free_pages < d.pages_for(tokens):
                 continue
             if now is None:
@@ -99,12 +101,12 @@ class DecodePricing(NodeBookings):
                                               load.context_tokens + req.prompt_tokens + 1)
             else:
                 tbt = self._tbt_at_join(d.node_id, now + join_in_s, req.prompt_tokens)
-                tbt += self._interleaved_prefill_s(d.node_id, now, join_in_s, tbt,
-                                                   req.expected_output_tokens)
+                chunks = self._interleaved_prefill_s(d.node_id, now, join_in_s, tbt,
+                                                     req.expected_output_tokens)
             scaled = tbt if now is None else self.mean_interval(
-                tbt, self.tbt_ratio(d.node_id, now),
+                tbt + chunks, self.tbt_ratio(d.node_id, now),
                 self.handoff_s(d.node_id, now, prefill_node=prefill_node),
                 req.expected_output_tokens)
             if scaled < best_tbt:
-                best, best_tbt, best_model = d, scaled, tbt
-        return best, best_tbt, best_model
+                best, best_tbt, best_step, best_chunks = d, scaled, tbt, chunks
+        return best, best_tbt, best_step, best_chunks

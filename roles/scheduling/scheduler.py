@@ -32,6 +32,8 @@ __all__ = ["Scheduler", "SchedulerConfig", "scheduler_config"]
 
 # Recent TTFT prediction errors kept for status pages (totals are running sums).
 RECENT_TTFT_ERRORS = 1024
+# Finished prefills remembered per colocated node (Scheduler._chunks_between).
+PREFILLS_DONE_KEPT = 512
 
 
 @dataclass
@@ -41,7 +43,11 @@ class _Inflight:
     scheduled_at: float
     ttft_model_s: float = 0.0  # the cost model's TTFT, before the residual
     load_level: int = 0        # Scheduler.load_level when it was scheduled
-    tbt_model_s: float = 0.0   # the decode model's TBT, before the residual
+    tbt_model_s: float = 0.0   # the decode model's step, before the residual
+    # What prefill chunks were predicted to add to each of its intervals (a
+    # colocated decode node); what they did add is counted at its finish.
+    tbt_chunks_s: float = 0.0
+    first_token_at: float | None = None   # when its prefill finished
     # Its prediction, or that of work booked ahead of it, came from an
     # estimator no measurement had refitted yet (the built-in guess or a
     # profile): its error says how wrong that prior was, not how far the
@@ -98,6 +104,9 @@ class Scheduler(DecodePricing):
         # Per yielding prefill node: its learned progress share (value, when
         # measured) and its previous report's (running_s, worked_s) by id.
         self._yield_share: dict[str, tuple[float, float]] = {}
+        # Per colocated node: its recent prefills as (finished at, compute
+        # seconds, request id), what the replies decoding there waited on.
+        self._prefills_done: dict[str, deque[tuple[float, float, str]]] = {}
         self._yield_seen: dict[str, tuple[dict[str, float], dict[str, float]]] = {}
 
     # ---- the decision -------------------------------------------------
@@ -233,7 +242,7 @@ class Scheduler(DecodePricing):
         level = self.load_level()
         model_ttft = plan.ttft + self.batch_wait_s(plan.node, plan.t_queue)
         ttft = model_ttft + self.ttft_residuals.median(plan.node, level, now)
-        dnode, tbt, tbt_model = self._decode_choice(req, now, ttft, plan.node)
+        dnode, tbt, tbt_model, tbt_chunks = self._decode_choice(req, now, ttft, plan.node)
         if dnode is None:
             return self._reject(req, "no_decode_capacity", ttft, math.inf, 1.0)
         ttft_limit = self.ttft_admit_limit(plan.node, now, level)
@@ -273,7 +282,8 @@ class Scheduler(DecodePricing):
         dnode.batch_size += 1
         dnode.context_tokens += tokens
         self.inflight[req.request_id] = _Inflight(
-            decision, req, now, model_ttft, level, tbt_model, priced_by_prior=prior_in_ttft)
+            decision, req, now, model_ttft, level, tbt_model, tbt_chunks,
+            priced_by_prior=prior_in_ttft)
         if req.block_keys:
             self._inflight_by_first_block.setdefault(req.block_keys[0], set()).add(req.request_id)
         return decision
@@ -327,6 +337,13 @@ class Scheduler(DecodePricing):
                 st.reported_at = now
         self._outstanding[node] = max(0, self._outstanding.get(node, 0) - 1)
         inf = self.inflight.get(request_id)
+        if inf is not None:
+            inf.first_token_at = now
+        if actual_seconds > 0 and self.chunk_s(node) > 0:
+            # A colocated node's prefill ran between its decode steps: what
+            # the replies decoding there meanwhile waited on (_chunks_between).
+            self._prefills_done.setdefault(node, deque(maxlen=PREFILLS_DONE_KEPT)).append(
+                (now, actual_seconds, request_id))
         if inf is None or actual_seconds <= 0:
             return
         # Fit on what happened: the prefix the node really reused (a failed
@@ -397,7 +414,14 @@ class Scheduler(DecodePricing):
                 if not same:
                     del self._inflight_by_first_block[first]
         if token_intervals and inf is not None and inf.decision.decode_node == node:
-            step = inf.tbt_model_s
+            # The model's interval: the step, plus the chunks of the prefills
+            # that did run on the node while the reply decoded (predicted
+            # ones where that is unknown), so the residual is the step's miss
+            # and not prefill work that came after the request was priced.
+            chunks = inf.tbt_chunks_s if inf.first_token_at is None else \
+                self._chunks_between(node, request_id, inf.first_token_at, now,
+                                     len(token_intervals))
+            step = inf.tbt_model_s + chunks
             if math.isfinite(step):
                 key = self.handoff_key(node, inf.decision.prefill_node)
                 self.handoff_residuals.add(key, inf.load_level, token_intervals[0] - step, now)
@@ -416,6 +440,18 @@ class Scheduler(DecodePricing):
         d.free_pages += pages
         d.batch_size = max(0, d.batch_size - 1)
         d.context_tokens = max(0, d.context_tokens - tokens)
+
+    def _chunks_between(self, node: str, request_id: str, start: float, end: float,
+                        intervals: int) -> float:
+        """Prefill compute per token interval that colocated ``node`` ran
+        between ``start`` and ``end`` for requests other than
+        ``request_id`` (each prefill counted when it finished)."""
+        done = self._prefills_done.get(node)
+        if not done or intervals <= 0:
+            return 0.0
+        work = sum(seconds for at, seconds, rid in done
+                   if start < at <= end and rid != request_id)
+        return work / intervals
 
     def estimator_error(self) -> dict[str, float]:
         """Mean and mean-absolute (predicted - actual) TTFT, seconds."""

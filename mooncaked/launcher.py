@@ -225,6 +225,19 @@ def _report_engines(url: str, wait_s: float) -> None:
                        err=True)
 
 
+def _slo_overrides(ttft_slo_s: Optional[float], tbt_slo_ms: Optional[float]) -> list[str]:
+    """The SLO flags as config overrides for every node (none when not given)."""
+    return ([f"conductor.ttft_slo_s={ttft_slo_s}"] if ttft_slo_s is not None else []) + \
+        ([f"conductor.tbt_slo_ms={tbt_slo_ms}"] if tbt_slo_ms is not None else [])
+
+
+def _check_conductors(conductors: int, etcd: bool) -> None:
+    if conductors > 1 and not etcd:
+        typer.echo("mooncaked up: --conductors above 1 needs --etcd (the conductors elect "
+                   "their leader in etcd)", err=True)
+        raise typer.Exit(2)
+
+
 def _run_cluster(cluster: LocalCluster, demo: bool, engines: bool = False) -> None:
     """Start ``cluster``, print its API URL(s) and supervise it until
     Ctrl-C/SIGTERM (or run the demo); exits with 1 when it cannot run."""
@@ -385,13 +398,10 @@ def register(app: typer.Typer) -> None:
                            "--engine only the conductor runs, in front of the engines (serving "
                            "their model)", err=True)
                 raise typer.Exit(2)
-            if conductors > 1 and not etcd:
-                typer.echo("mooncaked up: --conductors above 1 needs --etcd", err=True)
-                raise typer.Exit(2)
-            slo = [f"conductor.ttft_slo_s={ttft_slo_s}"] if ttft_slo_s is not None else []
-            slo += [f"conductor.tbt_slo_ms={tbt_slo_ms}"] if tbt_slo_ms is not None else []
+            _check_conductors(conductors, etcd)
             cluster = LocalCluster(
-                prefill=0, decode=0, config=config, overrides=slo + list(overrides), port=port,
+                prefill=0, decode=0, config=config,
+                overrides=_slo_overrides(ttft_slo_s, tbt_slo_ms) + list(overrides), port=port,
                 log_dir=log_dir, restart_policy=DEFAULT_RESTART_POLICY if restart else None,
                 etcd=etcd, conductors=conductors,
                 conductor_args=[arg for url in engines for arg in ("--engine", url)])
@@ -414,9 +424,7 @@ def register(app: typer.Typer) -> None:
         try:
             chosen = _resolve_layout(
                 layout, prefill, decode, colocated, borrow, user_layout, model, config,
-                list(overrides),
-                ([f"conductor.ttft_slo_s={layout_ttft}"] if layout_ttft is not None else [])
-                + ([f"conductor.tbt_slo_ms={tbt_slo_ms}"] if tbt_slo_ms is not None else []))
+                list(overrides), _slo_overrides(layout_ttft, tbt_slo_ms))
         except ValueError as exc:
             typer.echo(f"mooncaked up: {exc}", err=True)
             raise typer.Exit(2) from None
@@ -434,10 +442,7 @@ def register(app: typer.Typer) -> None:
                                port=port, log_dir=log_dir, cpp_group=cpp_group,
                                restart_policy=DEFAULT_RESTART_POLICY if restart else None,
                                etcd=etcd, conductors=conductors)
-        if conductors > 1 and not etcd:
-            typer.echo("mooncaked up: --conductors above 1 needs --etcd (the conductors elect "
-                       "their leader in etcd)", err=True)
-            raise typer.Exit(2)
+        _check_conductors(conductors, etcd)
         if etcd:
             from mooncaked.etcd_process import MISSING_ETCD, find_etcd
             if find_etcd() is None:
@@ -460,8 +465,7 @@ def register(app: typer.Typer) -> None:
             ttft_slo_s = DEMO_TTFT_SLO_S
             typer.echo(f"--demo: TTFT SLO {DEMO_TTFT_SLO_S:g} s, so that its cold long-prompt "
                        "request is served and timed", err=True)
-        slo = [f"conductor.ttft_slo_s={ttft_slo_s}"] if ttft_slo_s is not None else []
-        slo += [f"conductor.tbt_slo_ms={tbt_slo_ms}"] if tbt_slo_ms is not None else []
+        slo = _slo_overrides(ttft_slo_s, tbt_slo_ms)
         try:
             store = _store_overrides(store_memory, cluster, config, overrides)
         except StoreMemoryError as exc:

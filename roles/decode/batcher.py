@@ -294,8 +294,7 @@ class DecodeBatcher:
                     # the EOS the grammar wants): this token ends the sequence.
                     log.warning("%s: no token satisfies its grammar; stopping", seq.request_id)
                     seq.finished = "stop"
-                self._emit(seq, token, logprob,
-                           top=list(top) if seq.sampling.top_logprobs else None)
+                self._emit(seq, token, logprob, top=list(top) or None)
             for seq in batch:
                 if seq.finished is not None and seq in self.running:
                     self._leave(seq)

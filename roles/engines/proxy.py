@@ -150,6 +150,12 @@ def _cached_tokens(usage: dict | None) -> int | None:
     return cached if type(cached) is int else None
 
 
+def _completion_tokens(usage: dict | None, default: int) -> int:
+    """The tokens the engine says it generated, else ``default``."""
+    tokens = (usage or {}).get("completion_tokens")
+    return tokens if type(tokens) is int else default
+
+
 @dataclass
 class ProxiedRequest:
     """One request on its way through an engine, as the metrics count it."""
@@ -158,8 +164,8 @@ class ProxiedRequest:
     prompt_tokens: int
     started_at: float     # time.monotonic() when the conductor received it
     scheduled_at: float   # ... when it was booked at its engine (after tokenizing)
-    decoding_at_send: int = 0   # requests past their first token at the engine then
-    first_token_counted: bool = False
+    # Requests past their first token at the engine then (for the debug log).
+    decoding_at_send: int = 0
 
 
 def _client_gone(request: web.Request) -> bool:
@@ -241,8 +247,8 @@ class EngineProxy:
     async def _tokenize(self, body: dict, chat: bool) -> tuple[list[int], int]:
         """(token ids routed on, prompt tokens in all): the first prompt of a
         batch is routed on and the others counted as long as it."""
-        local = next((e.tokenizer for e in self._candidates(body) if e.tokenizer is not None),
-                     None)
+        candidates = self._candidates(body)
+        local = next((e.tokenizer for e in candidates if e.tokenizer is not None), None)
         if chat:
             ask = {"model": body.get("model"), "messages": body.get("messages")}
             ask.update({k: body[k] for k in CHAT_TOKENIZE_KEYS if k in body})
@@ -267,7 +273,7 @@ class EngineProxy:
                 return tokens, len(tokens) * batch
         # The least loaded engine tokenizes: a round trip to a busy one
         # delays the first token, and one engine taking them all gets busy.
-        for engine in sorted(self._candidates(body), key=lambda e: self.scheduler.load_of(e.name)):
+        for engine in sorted(candidates, key=lambda e: self.scheduler.load_of(e.name)):
             try:
                 status, answer = await self._post_json(engine, "/tokenize", ask)
             except EngineGone:
@@ -333,9 +339,10 @@ class EngineProxy:
                     raise ApiError(502, f"engine {engine.name} failed before answering: "
                                         f"{exc}") from None
                 continue
-            state = self.scheduler.engines[engine.name]
-            proxied = ProxiedRequest(decision, prompt_tokens, started_at, scheduled_at,
-                                     state.ours_decoding() + state.foreign_running)
+            proxied = ProxiedRequest(decision, prompt_tokens, started_at, scheduled_at)
+            if log.isEnabledFor(logging.DEBUG):
+                state = self.scheduler.engines[engine.name]
+                proxied.decoding_at_send = state.ours_decoding() + state.foreign_running
             try:
                 return await self._answer(request, upstream, engine, proxied, streamed)
             finally:
@@ -346,13 +353,10 @@ class EngineProxy:
         self.metrics.engine_finished(engine, status, time.monotonic() - started_at, tokens)
 
     def _first_token(self, proxied: ProxiedRequest, at: float | None, usage: dict | None) -> None:
-        """Count a request's first token once: its TTFT against the prediction
+        """Count a request's first token: its TTFT against the prediction
         (``at`` None: not seen, a whole answer), and its prefix hit (the
         engine's count where its usage says, else the index's match it was
-        routed on)."""
-        if proxied.first_token_counted:
-            return
-        proxied.first_token_counted = True
+        routed on).  Called once per request, when its answer ended."""
         cached = _cached_tokens(usage)
         d = proxied.decision
         if at is not None and log.isEnabledFor(logging.DEBUG):
@@ -398,9 +402,7 @@ class EngineProxy:
             self.scheduler.on_finished(name, rid, now)
             usage = _usage_of(answer)
             self._first_token(proxied, None, usage)
-            completion = (usage or {}).get("completion_tokens")
-            self._count(name, "ok", proxied.started_at,
-                        completion if type(completion) is int else 0)
+            self._count(name, "ok", proxied.started_at, _completion_tokens(usage, 0))
             return web.Response(body=answer, headers=headers,
                                 content_type=upstream.content_type or "application/json")
         resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
@@ -445,9 +447,8 @@ class EngineProxy:
             self._first_token(proxied, timing.first_at, timing.usage)
         for gap in timing.intervals:
             self.metrics.tbt.observe(gap)
-        completion = (timing.usage or {}).get("completion_tokens")
         self._count(engine, status, proxied.started_at,
-                    completion if type(completion) is int else timing.chunks)
+                    _completion_tokens(timing.usage, timing.chunks))
 
     async def _relay(self, upstream: aiohttp.ClientResponse, resp: web.StreamResponse,
                      timing: StreamTiming, proxied: ProxiedRequest) -> None:

@@ -165,7 +165,7 @@ class StageRun:
             first = sample_top(last_out, spec.sampling, spec.sampling.make_generator(),
                                prompt_ids=spec.token_ids, grammar=grammar)
             token, logprob = first.token, first.logprob
-            top = list(first.top) if spec.sampling.top_logprobs else None
+            top = list(first.top) or None
         report = CppStageReport(stage_compute_s=compute_s, stage_s=stage_s,
                                 boundary_bytes=self.boundary_bytes,
                                 layers=[worker.first_layer, worker.end_layer],

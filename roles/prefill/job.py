@@ -256,7 +256,7 @@ class PrefillJob:
         first = sample_top(logits, spec.sampling, spec.sampling.make_generator(),
                            prompt_ids=spec.token_ids, grammar=grammar)
         result.first_token, result.logprob = first.token, first.logprob
-        result.top_logprobs = list(first.top) if spec.sampling.top_logprobs else None
+        result.top_logprobs = list(first.top) or None
         if self.prefix_cache:
             stored = self.publish_new_blocks(self.table, self.usable)
             if stored:

@@ -341,7 +341,8 @@ class Scheduler(DecodePricing):
             inf.first_token_at = now
         if actual_seconds > 0 and self.chunk_s(node) > 0:
             # A colocated node's prefill ran between its decode steps: what
-            # the replies decoding there meanwhile waited on (_chunks_between).
+            # the replies decoding there meanwhile waited on (_chunks_between;
+            # appended in time order).
             self._prefills_done.setdefault(node, deque(maxlen=PREFILLS_DONE_KEPT)).append(
                 (now, actual_seconds, request_id))
         if inf is None or actual_seconds <= 0:
@@ -449,8 +450,12 @@ class Scheduler(DecodePricing):
         done = self._prefills_done.get(node)
         if not done or intervals <= 0:
             return 0.0
-        work = sum(seconds for at, seconds, rid in done
-                   if start < at <= end and rid != request_id)
+        work = 0.0
+        for at, seconds, rid in reversed(done):   # newest first: stop before start
+            if at <= start:
+                break
+            if at <= end and rid != request_id:
+                work += seconds
         return work / intervals
 
     def estimator_error(self) -> dict[str, float]:

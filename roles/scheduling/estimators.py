@@ -113,11 +113,9 @@ def fit_polynomial(samples: list[tuple[float, float, float]],
 
     Least absolute error fits the typical prefill: a few samples far off
     (the first passes after start-up, a host that stalled one pass) pull a
-    least-squares fit towards them for as long as they stay in the window.
-    Seen on a replay: two 1k-token prefills at 250-330 ms right after
-    start-up against ~110 ms later kept the estimate for that prompt at
-    130-170 ms for the next 80 requests.  Solved by iteratively reweighted
-    least squares (weight 1 / |residual|).
+    least-squares fit towards them for as long as they stay in the window,
+    and every prediction in between is off by their pull.  Computed by
+    iteratively reweighted least squares (weight 1 / |residual|).
 
     Non-negative by an active-set loop: fit, drop terms with negative
     coefficients, refit (small problem, at most 5 rounds).

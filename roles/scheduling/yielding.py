@@ -106,11 +106,10 @@ class YieldingPrefill:
 
         The model (borrowed.py) knows only the decode work this conductor
         booked; the conductor's own process, a benchmark client or any other
-        program on those cores takes its CPU too, unseen.  Measured in a
-        replay beside a package install: a 1,486-token prefill got 0.16 s of
-        CPU in 2.25 s, while the model, counting it done after its 0.2 s of
-        work, priced the node's queue at 0 and sent it four more requests
-        (TTFT 2.4-11 s against predictions of 0.2-0.9 s)."""
+        program on those cores takes its CPU too, unseen.  Without this
+        share a starved node's work would count as done after its modelled
+        time, its queue would be priced empty, and it would be sent more
+        requests than it can start."""
         if node not in self._yield_share:
             return 1.0
         value, at = self._yield_share[node]

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.layout import DTYPE_BYTES, PageLayout
+from model.precision import AUTO, native_dtype
 
 # Byte-level tokenizer vocabulary (model/tokenizer.py): 256 bytes + 8 specials.
 BYTE_VOCAB_SIZE = 264
@@ -134,8 +135,11 @@ class RuntimeConfig:
     model: str = "dummy"
     # Torch device: cpu, cuda[:N], mps or xpu.
     device: str = "cpu"
-    # Weight and KV dtype: float32 on CPU; bfloat16/float16 where the device has them.
-    dtype: str = "float32"
+    # Weight and KV dtype: float32, bfloat16, float16, or "auto": bfloat16
+    # where the device computes it natively (a CPU with AVX512-BF16 or AMX),
+    # float32 elsewhere (model/precision.py).  Every node of a cluster must
+    # use the same.
+    dtype: str = "auto"
     # Tokens per prefill chunk (the paper chunks above ~1000).
     prefill_chunk: int = 1024
     # Seed of the dummy weights: every node of a cluster must use the same.
@@ -146,14 +150,17 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must be a dummy config name or a checkpoint directory")
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.dtype != AUTO and self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be {AUTO} or one of {sorted(DTYPE_BYTES)}, "
+                             f"got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith(("cuda", "mps", "xpu"))):
             raise ValueError(f"device must be cpu, cuda[:N], mps or xpu, got {self.device!r}")
         if self.prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk must be positive, got {self.prefill_chunk}")
         if self.torch_threads < 0:
             raise ValueError(f"torch_threads must be >= 0, got {self.torch_threads}")
+        if self.dtype == AUTO:   # resolved once: everything downstream sees a real dtype
+            self.dtype = native_dtype(self.device)
 
     @property
     def is_dummy(self) -> bool:

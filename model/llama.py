@@ -153,7 +153,10 @@ def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     key) pair of the chunk's own square, the masked half too, and builds the
     mask: the split computes only what is seen; its attention calls were
     10-25% faster on 1-3k-token contexts, about 10% of a 3k-token prefill;
-    the same result to float rounding (1e-7)."""
+    the same result to float rounding (1e-7).  In bfloat16/float16:
+    ``tiled_attention``, whose result does not depend on the chunking."""
+    if q.dtype in REDUCED_PRECISION:
+        return tiled_attention(q, keys, values, start)
     if start == 0:
         return F.scaled_dot_product_attention(q[None], keys[None], values[None],
                                               is_causal=True, enable_gqa=True)[0]
@@ -176,6 +179,77 @@ def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     top = torch.maximum(lse_p, lse_c)
     w_p, w_c = torch.exp(lse_p - top), torch.exp(lse_c - top)
     return ((out_p * w_p + out_c * w_c) / (w_p + w_c)).to(q.dtype)
+
+
+REDUCED_PRECISION = (torch.bfloat16, torch.float16)
+# Query rows per tile of tiled_attention: fixed, so that a row's arithmetic
+# is the same whichever chunk computes it.
+ATTENTION_TILE = 64
+
+
+def tiled_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    start: int) -> torch.Tensor:
+    """Causal attention of q [heads, n, hd] (positions [start, start + n))
+    over keys/values [kv_heads, >= start + n, hd], in tiles of
+    ``ATTENTION_TILE`` query positions aligned to absolute positions.
+
+    Every row of a tile attends over the same key count, the tile's end
+    rounded up (keys past the prompt are zeros, masked), in matrix products
+    whose rows do not depend on each other; so a position's output is the
+    same bits whether its prompt is computed whole, in chunks, or after a
+    cached prefix: at reduced precision, where a different summation order
+    moves results by whole units of the last place, that is what keeps tokens
+    identical with and without cache reuse.  The scores are products in the
+    inputs' dtype and the softmax accumulates in float32; bf16 matrix
+    products use the CPU's native bf16 instructions, which the flash kernel
+    does not."""
+    heads, n, hd = q.shape
+    kv_heads = keys.shape[0]
+    group = heads // kv_heads
+    end = start + n
+    tile = ATTENTION_TILE
+    padded = -(-end // tile) * tile
+    k_pad = keys.new_zeros(kv_heads, padded, hd)
+    k_pad[:, :end] = keys[:, :end]
+    v_pad = values.new_zeros(kv_heads, padded, hd)
+    v_pad[:, :end] = values[:, :end]
+    k_t = k_pad.transpose(1, 2)
+    # A kv head's `group` query heads share its keys: one product for all.
+    qg = (q * hd ** -0.5).view(kv_heads, group, n, hd)
+    out = q.new_empty(kv_heads, group, n, hd)
+    # Only a tile's own square needs a mask: every earlier key precedes its rows.
+    future = torch.ones(tile, tile, dtype=torch.bool, device=q.device).triu_(1)
+    # Scores and probabilities of every tile in two buffers sized for the
+    # last (largest) tile: megabytes allocated per tile went back to the OS
+    # and were faulted in again, kernel time that slowed every process.
+    largest = kv_heads * group * min(tile, n) * padded
+    score_buf, prob_buf = q.new_empty(largest), q.new_empty(largest)
+    for t in range(start // tile, (end - 1) // tile + 1):
+        a, b = max(t * tile, start), min((t + 1) * tile, end)
+        rows, seen = b - a, (t + 1) * tile
+        size = kv_heads * group * rows * seen
+        scores = score_buf[:size].view(kv_heads, group * rows, seen)
+        torch.bmm(qg[:, :, a - start:b - start].reshape(kv_heads, group * rows, hd),
+                  k_t[:, :, :seen], out=scores)
+        scores.view(kv_heads, group, rows, seen)[..., t * tile:].masked_fill_(
+            future[a - t * tile:b - t * tile], float("-inf"))
+        probs = torch.softmax(scores, -1, out=prob_buf[:size].view(kv_heads, group * rows, seen))
+        out[:, :, a - start:b - start] = torch.bmm(probs, v_pad[:, :seen]).view(
+            kv_heads, group, rows, hd)
+    return out.view(heads, n, hd)
+
+
+def token_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One new token's attention, q [heads, hd], over all of keys/values
+    [kv_heads, L, hd], in bfloat16/float16: two matrix products (a kv head's
+    query heads together) and a float32-accumulated softmax, as
+    ``tiled_attention`` computes a row.  The flash kernel's single-query
+    path is several times slower at these dtypes on CPU."""
+    heads, hd = q.shape
+    kv_heads = keys.shape[0]
+    qg = (q * hd ** -0.5).view(kv_heads, heads // kv_heads, hd)
+    probs = torch.softmax(torch.bmm(qg, keys.transpose(1, 2)), -1)
+    return torch.bmm(probs, values).reshape(heads, hd)
 
 
 def prefix_causal_mask(n: int, start: int, dtype: torch.dtype,
@@ -250,8 +324,11 @@ def decode_layer(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer: int,
         else:
             mirror.put(layer, ends[b], k[b], v[b])
             keys, values = mirror.context(layer, ends[b] + 1)
-        outs.append(F.scaled_dot_product_attention(
-            q[b, :, None, :][None], keys[None], values[None], enable_gqa=True))  # [1, heads, 1, hd]
+        if q.dtype in REDUCED_PRECISION:
+            outs.append(token_attention(q[b], keys, values))
+        else:
+            outs.append(F.scaled_dot_product_attention(
+                q[b, :, None, :][None], keys[None], values[None], enable_gqa=True))  # [1, heads, 1, hd]
     out = torch.cat(outs)
     x = x + F.linear(out.reshape(bsz, -1), w.o)
     return x + mlp(rms_norm(x, w.mlp_norm, c.rms_eps), w)

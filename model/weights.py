@@ -56,6 +56,11 @@ class ModelWeights:
         return self.layers[0].qkv.dtype
 
     @property
+    def dtype_name(self) -> str:
+        """The dtype as the config names it (a key of TORCH_DTYPES)."""
+        return next(n for n, t in TORCH_DTYPES.items() if t == self.dtype)
+
+    @property
     def device(self) -> torch.device:
         return self.layers[0].qkv.device
 

@@ -110,12 +110,13 @@ def _auto_layout(model: Optional[str], config: Optional[str], overrides: list[st
     mix = lay.RequestMix()
     try:
         measured, source = cached_or_measure(cfg.model.model, len(cpus), mix,
-                                             cfg.model.prefill_chunk)
+                                             cfg.model.prefill_chunk, dtype=cfg.model.dtype)
     except RuntimeError as exc:
         typer.echo(f"--layout auto: {exc}; running the disaggregated layout", err=True)
         return None
     choice = lay.choose(cpus, measured, mix, slo)
-    typer.echo(f"{choice.describe()}\n  (measurements of {cfg.model.model}: {source}; delete "
+    typer.echo(f"{choice.describe()}\n  (measurements of {cfg.model.model} in {cfg.model.dtype}: "
+               f"{source}; delete "
                "the file to measure again)", err=True)
     return choice
 

@@ -59,10 +59,11 @@ def model_identity(model: str) -> str:
 
 
 def cache_key(model: str, ncpus: int, mix: RequestMix, prefill_chunk: int,
-              torch_version: str) -> dict:
+              torch_version: str, dtype: str = "float32") -> dict:
     return {"format": FORMAT, "model": model_identity(model), "cpu": cpu_model(),
             "cpus": ncpus, "torch": torch_version, "prompt_tokens": mix.prompt_tokens,
-            "computed_tokens": mix.computed_tokens, "prefill_chunk": prefill_chunk}
+            "computed_tokens": mix.computed_tokens, "prefill_chunk": prefill_chunk,
+            "dtype": dtype}
 
 
 def cache_path(key: dict, base: Path | None = None) -> Path:
@@ -101,7 +102,7 @@ def _best(fn: Callable[[], object], repeats: int) -> float:
 
 
 def measure(model: str, threads: int, mix: RequestMix, prefill_chunk: int = 1024,
-            block_size: int = 256, repeats: int = 2) -> Measurements:
+            block_size: int = 256, repeats: int = 2, dtype: str = "auto") -> Measurements:
     """Time this machine's prefill and decode of ``model`` (see the module doc)."""
     import torch
 
@@ -110,10 +111,11 @@ def measure(model: str, threads: int, mix: RequestMix, prefill_chunk: int = 1024
     from model.runner import DecodeSeq, ModelRunner, configure_torch
     from model.weights import TORCH_DTYPES, load_weights
 
-    runtime = RuntimeConfig(model=model, prefill_chunk=prefill_chunk, torch_threads=1)
+    runtime = RuntimeConfig(model=model, prefill_chunk=prefill_chunk, torch_threads=1,
+                            dtype=dtype)
     configure_torch(runtime)
     config = load_model_config(model)
-    layout = page_layout(config, block_size)
+    layout = page_layout(config, block_size, runtime.dtype)
     n = mix.computed_tokens
     context = mix.prompt_tokens
     per_seq = -(-(context + 2) // block_size)
@@ -154,19 +156,21 @@ def _torch_version() -> str:
 
 
 def cached_or_measure(model: str, ncpus: int, mix: RequestMix, prefill_chunk: int = 1024,
-                      base: Path | None = None,
-                      timeout_s: float = MEASURE_TIMEOUT_S) -> tuple[Measurements, str]:
-    """This machine's measurements for ``model``: from the cache, or taken now
-    in a child process (then cached).  Returns them and where they came from.
+                      base: Path | None = None, timeout_s: float = MEASURE_TIMEOUT_S,
+                      dtype: str = "float32") -> tuple[Measurements, str]:
+    """This machine's measurements for ``model`` computed in ``dtype`` (a
+    resolved one, as the nodes run it): from the cache, or taken now in a
+    child process (then cached).  Returns them and where they came from.
     Raises RuntimeError when the measurement fails."""
-    key = cache_key(model, ncpus, mix, prefill_chunk, _torch_version())
+    key = cache_key(model, ncpus, mix, prefill_chunk, _torch_version(), dtype)
     found = load_cached(key, base)
     if found is not None:
         return found, f"cached in {cache_path(key, base)}"
     cmd = [sys.executable, "-m", "mooncaked.layout_measure", "--model", model,
            "--threads", str(ncpus), "--prompt-tokens", str(mix.prompt_tokens),
            "--cached-fraction", str(mix.cached_fraction),
-           "--output-tokens", str(mix.output_tokens), "--prefill-chunk", str(prefill_chunk)]
+           "--output-tokens", str(mix.output_tokens), "--prefill-chunk", str(prefill_chunk),
+           "--dtype", dtype]
     t0 = time.monotonic()
     try:
         # As the nodes run (launcher.spawn): idle OpenMP threads sleep.
@@ -194,9 +198,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cached-fraction", type=float, default=RequestMix.cached_fraction)
     p.add_argument("--output-tokens", type=int, default=RequestMix.output_tokens)
     p.add_argument("--prefill-chunk", type=int, default=1024)
+    p.add_argument("--dtype", default="auto", help="as model.dtype")
     a = p.parse_args(argv)
     mix = RequestMix(a.prompt_tokens, a.cached_fraction, a.output_tokens)
-    print(json.dumps(measure(a.model, a.threads, mix, a.prefill_chunk).to_dict()))
+    print(json.dumps(measure(a.model, a.threads, mix, a.prefill_chunk,
+                             dtype=a.dtype).to_dict()))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from kvstore.layout import PageLayout
+from kvstore.layout import DTYPE_BYTES, PageLayout
 from model.config import RuntimeConfig, page_layout, stage_layers
 from model.runner import ModelRunner, chunk_bounds, kv_pages_view
 from model.weights import load_weights
@@ -50,13 +50,14 @@ def test_pipeline_estimator_is_faster_in_steady_state_and_learns_hops():
 def test_stage_runner_with_stage_only_pages_matches_the_whole_model():
     runtime = RuntimeConfig(model=MODEL)
     whole = load_weights(runtime)
-    layout = page_layout(whole.config, 16)
+    layout = page_layout(whole.config, 16, whole.dtype_name)
     prompt = [random.Random(3).randrange(256) for _ in range(50)]
     buf = bytearray(4 * layout.page_bytes)
     expected = ModelRunner(whole, kv_pages_view(buf, layout)).prefill(prompt, [0, 1, 2, 3], 0)
     x = prompt
     for first, end in ((0, 3), (3, 4)):
-        stage_layout = PageLayout(end - first, 16, layout.num_kv_heads, layout.head_dim)
+        stage_layout = PageLayout(end - first, 16, layout.num_kv_heads, layout.head_dim,
+                                  layout.dtype)
         pages = bytearray(4 * stage_layout.page_bytes)
         runner = ModelRunner(load_weights(runtime, first, end), kv_pages_view(pages, stage_layout))
         x = runner.prefill_stage(x, [0, 1, 2, 3], 0)
@@ -81,6 +82,6 @@ def test_group_tokens_equal_single_node_reference(local_cluster, stages):
             cached = trace["cached_tokens"]
             assert cached == (0 if attempt == 0 else (length - 1) // 16 * 16)
             # Hidden states cross each boundary once per computed token.
-            hidden = 512 * 4
+            hidden = 512 * DTYPE_BYTES[RuntimeConfig(model=MODEL).dtype]
             assert trace["cpp"]["boundary_bytes"] == (stages - 1) * (length - cached) * hidden
     assert leaked(cluster) == {}

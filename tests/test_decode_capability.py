@@ -67,7 +67,7 @@ async def decode_node(tiny_weights):
     """A decode node of ``PAGES`` pages: (batcher, worker); every reservation of
     all ``PAGES`` pages gets the same pages, so a released reservation's pages
     are the next one's."""
-    layout = page_layout(tiny_weights.config, BLOCK)
+    layout = page_layout(tiny_weights.config, BLOCK, tiny_weights.dtype_name)
     shard = StoreShard(StoreConfig(block_size=BLOCK, capacity_bytes=PAGES * layout.page_bytes,
                                    prefault=False, hugepages=False), layout)
     engine = TransferEngine(TransferConfig(transport="tcp"), "decode")

@@ -25,6 +25,7 @@ import time
 
 import pytest
 
+from model.config import DUMMY_CONFIGS, RuntimeConfig, page_layout
 from tests.cluster_helpers import complete, tokens
 from tests.fault_rig import (NetnsCluster, NetnsRig, iptables_unusable, netns_unusable,
                              qdisc_unusable, reference, report, wait_nothing_left)
@@ -51,9 +52,11 @@ LOSS = 0.05
 # thousands of packets to the decode node; sequential requests, so each
 # one's time is its own.
 LOSSY_PROMPT_TOKENS, LOSSY_OUTPUT_TOKENS, LOSSY_REQUESTS = 800, 8, 6
-# dummy: 4 layers x K,V x 2 kv heads x 64 dims x 4 bytes per token, 3000 tokens;
-# at 40 Mbit/s the second half is still on the wire well after compute ends.
-HALF_THE_KV = 3000 * 4096 // 2
+# dummy: 4 layers x K,V x 2 kv heads x 64 dims x the dtype's bytes per token,
+# 3000 tokens; at 40 Mbit/s the second half is still on the wire well after
+# compute ends.
+HALF_THE_KV = 3000 * page_layout(DUMMY_CONFIGS["dummy"], 16,
+                                 RuntimeConfig().dtype).kv_bytes_per_token // 2
 # Client-side bound on any one request: far above the clear error we expect.
 REQUEST_BOUND_S = 90
 

@@ -26,6 +26,7 @@ import pytest
 
 from kvstore.config import DEFAULT_HASH_SEED
 from kvstore.keys import block_keys
+from model.config import DUMMY_CONFIGS, RuntimeConfig, page_layout
 from tests.cluster_helpers import complete, stream_lines, tokens, trace_of
 from tests.fault_rig import (reference, report, small_tmpfs, start_nodes, tmpfs_unusable,
                              wait_nothing_left, worker_urls)
@@ -35,7 +36,8 @@ pytestmark = pytest.mark.slow  # real node processes
 
 MODEL = "tiny"
 BS = 16
-PAGE_BYTES = 8192  # tiny: 2 layers x K,V x 16 tokens x 2 kv heads x 16 dims x 4 bytes
+# tiny: 2 layers x K,V x 16 tokens x 2 kv heads x 16 dims x the bytes of the dtype nodes run
+PAGE_BYTES = page_layout(DUMMY_CONFIGS["tiny"], BS, RuntimeConfig(model="tiny").dtype).page_bytes
 COMMON = ["model.model=tiny", "store.block_size=16", "model.prefill_chunk=64", "node.heartbeat_interval_s=0.2",
           "node.heartbeat_timeout_s=1.5", "decode.reservation_timeout_s=5"]
 BIG_STORE = f"store.capacity_bytes={2048 * PAGE_BYTES}"

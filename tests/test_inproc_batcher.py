@@ -35,7 +35,7 @@ class TinyWorker:
     """What DecodeBatcher uses of a WorkerNode: shard, layout, runner, compute."""
 
     def __init__(self, weights, pages: int) -> None:
-        self.layout = page_layout(weights.config, BLOCK)
+        self.layout = page_layout(weights.config, BLOCK, weights.dtype_name)
         self.shard = StoreShard(StoreConfig(block_size=BLOCK, capacity_bytes=pages * self.layout.page_bytes,
                                             prefault=False, hugepages=False), self.layout)
         self.runner = ModelRunner(weights, kv_pages_view(self.shard.buffer, self.layout))
@@ -432,7 +432,7 @@ async def test_load_report_names_each_sequence_and_recent_steps(make_batcher):
 
 def positions_bytes(weights, positions: int) -> int:
     """What a mirror of that many positions takes: all layers' K and V."""
-    return page_layout(weights.config, BLOCK).kv_bytes_per_token * positions
+    return page_layout(weights.config, BLOCK, weights.dtype_name).kv_bytes_per_token * positions
 
 
 async def test_mirrors_only_within_the_budget_the_rest_gathers_until_room_is_freed(

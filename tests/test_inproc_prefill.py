@@ -63,7 +63,7 @@ class Reference:
 
 def reference(weights, prompt: list[int]) -> Reference:
     """One request alone: prefill into pages 0.. of a private buffer."""
-    layout = page_layout(weights.config, BLOCK)
+    layout = page_layout(weights.config, BLOCK, weights.dtype_name)
     n = pages_for(len(prompt))
     runner = ModelRunner(weights, kv_pages_view(bytearray(n * layout.page_bytes), layout))
     logits = runner.prefill(prompt, list(range(n)), 0)
@@ -78,7 +78,7 @@ class DecodeSide:
     registered transfer segment, and page reservations."""
 
     def __init__(self, weights) -> None:
-        self.layout = page_layout(weights.config, BLOCK)
+        self.layout = page_layout(weights.config, BLOCK, weights.dtype_name)
         self.shard = StoreShard(StoreConfig(block_size=BLOCK, capacity_bytes=PAGES * self.layout.page_bytes,
                                             prefault=False, hugepages=False), self.layout)
         self.engine = TransferEngine(TransferConfig(transport="tcp"), "decode-seg")

@@ -12,6 +12,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from model.precision import native_dtype
 from mooncaked import launcher, layout_measure
 from mooncaked.layout import (COLOCATED, DISAGGREGATED, Layout, Measurements, RequestMix, Slo,
                               candidates, choose, p90_ttft_capacity, score)
@@ -209,10 +210,12 @@ def _up(monkeypatch, tmp_path, *args: str, measured: Measurements | None = M):
             seen["cluster"] = self
             raise RuntimeError("stop here")
 
-    def fake_measure(model, ncpus, mix, prefill_chunk=1024, base=None, timeout_s=0):
+    def fake_measure(model, ncpus, mix, prefill_chunk=1024, base=None, timeout_s=0,
+                     dtype="float32"):
         if measured is None:
             raise AssertionError("measured although the layout was given")
         seen["measured_model"] = model
+        seen["measured_dtype"] = dtype
         return measured, "hand-made"
 
     app = typer.Typer(rich_markup_mode=None)
@@ -241,6 +244,8 @@ def test_layout_auto_runs_the_measured_choice(monkeypatch, tmp_path):
     result, cluster, seen = _up(monkeypatch, tmp_path, "--set", "model.prefill_chunk=512",
                                 measured=colocated_wins)
     assert seen["measured_model"] == "dummy"
+    # Measured in the dtype the nodes will compute in ("auto" resolved here).
+    assert seen["measured_dtype"] == native_dtype("cpu")
     expected = choose(sorted(os.sched_getaffinity(0)), colocated_wins, RequestMix(), SLO)
     assert f"layout auto: {expected.best.layout.name()}" in result.output
     if expected.best.layout.kind == COLOCATED:

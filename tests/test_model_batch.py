@@ -12,7 +12,7 @@ from model.runner import ModelRunner, kv_pages_view
 
 def test_prefill_batch_equals_each_request_alone(tiny_weights):
     weights = tiny_weights
-    layout = page_layout(weights.config, 16)
+    layout = page_layout(weights.config, 16, weights.dtype_name)
     rng = random.Random(5)
     # (length, cached prefix): no prefix, a block-aligned prefix, one token left.
     shapes = [(23, 0), (40, 16), (33, 32), (5, 0)]

@@ -52,7 +52,7 @@ def checkpoint(request, tmp_path):
 
 def _runner(path) -> ModelRunner:
     weights = load_checkpoint(path)
-    layout = page_layout(weights.config, BLOCK)
+    layout = page_layout(weights.config, BLOCK, weights.dtype_name)
     return ModelRunner(weights, kv_pages_view(bytearray(layout.page_bytes * 64), layout))
 
 

@@ -210,7 +210,7 @@ def test_dummy_weights_are_deterministic_across_processes_and_stages():
     there = float(subprocess.check_output([sys.executable, "-c", code], text=True).strip())
     assert here == there
     assert _weights_checksum(12) != here
-    full = load_weights(RuntimeConfig(model="tiny", seed=4))
+    full = load_weights(RuntimeConfig(model="tiny", seed=4, dtype="float32"))
     stage = dummy_weights(CFG, seed=4, first_layer=1)
     assert stage.embed is None and stage.lm_head is not None and len(stage.layers) == 1
     assert torch.equal(stage.layers[0].qkv, full.layers[1].qkv)

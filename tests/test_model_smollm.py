@@ -35,7 +35,7 @@ PROMPTS = ["What is the capital of France?", "Name three colors.", "What is 2 + 
 def smollm(tmp_path_factory):
     path = run(None, tmp_path_factory.mktemp("smollm2"))
     weights = load_checkpoint(path)
-    layout = page_layout(weights.config, BLOCK)
+    layout = page_layout(weights.config, BLOCK, weights.dtype_name)
     runner = ModelRunner(weights, kv_pages_view(bytearray(layout.page_bytes * 96), layout))
     return runner, load_tokenizer(str(path))
 

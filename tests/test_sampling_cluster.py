@@ -31,7 +31,7 @@ def reference(weights, prompt: list[int], params: SamplingParams) -> list[int]:
 
 def reference_sampled(weights, prompt: list[int], params: SamplingParams) -> list[Sampled]:
     """One request in one process: each token as ``sample_top`` gives it."""
-    layout = page_layout(weights.config, 16)
+    layout = page_layout(weights.config, 16, weights.dtype_name)
     pages = -(-(len(prompt) + params.max_tokens) // 16)
     runner = ModelRunner(weights, kv_pages_view(bytearray(pages * layout.page_bytes), layout))
     table = list(range(pages))

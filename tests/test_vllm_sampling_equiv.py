@@ -80,7 +80,8 @@ def vllm(tmp_path_factory) -> Iterator[openai.OpenAI]:
 def mooncaked(tmp_path_factory) -> Iterator[openai.OpenAI]:
     with running_cluster(tmp_path_factory.mktemp("mooncaked"), prefill=1, decode=1,
                          model=str(CHECKPOINT),
-                         extra=[f"conductor.served_model_name={MODEL}"]) as cluster:
+                         extra=[f"conductor.served_model_name={MODEL}",
+                                "model.dtype=float32"]) as cluster:   # as vLLM runs it
         yield openai.OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0)
 
 

@@ -57,6 +57,20 @@ def load_prefill_coeffs(path: str) -> dict[str, float]:
     return {k: float(v) for k, v in coeffs.items()}
 
 
+def _kv_format(cap) -> tuple[str | None, int | None] | None:
+    """What a node's KV bytes mean (dtype, whole-model KV bytes per token);
+    None when it reports neither (a node of an older version)."""
+    dtype = cap.layout.dtype if cap.layout is not None else None
+    if dtype is None and cap.kv_bytes_per_token is None:
+        return None
+    return dtype, cap.kv_bytes_per_token
+
+
+def _describe(fmt: tuple[str | None, int | None] | None) -> str:
+    dtype, per_token = fmt or (None, None)
+    return f"{dtype or '?'} ({per_token or '?'} bytes per token)"
+
+
 class ClusterView:
     def __init__(self, registry: NodeRegistry, section) -> None:  # section: ConductorSection
         self.registry = registry
@@ -67,6 +81,8 @@ class ClusterView:
             TransferEstimator(DEFAULT_TRANSFER_BPS),
             DecodeEstimator(*DEFAULT_DECODE, refit_every=DECODE_REFIT_EVERY))
         self.block_size: int | None = None
+        # (dtype, KV bytes per token) of the cluster's first node that reported them.
+        self.kv_format: tuple[str | None, int | None] | None = None
         self.epochs: dict[str, int] = {}
         # CPP groups: group -> {stage: node_id}; a complete group is one
         # prefill instance named "cpp:<group>" for the Scheduler.
@@ -81,13 +97,24 @@ class ClusterView:
         if event == "joined":
             cap = record.capacity
             block_size = cap.block_size or 0
+            kv_format = _kv_format(cap)
             if self.block_size is None:
                 self.block_size = block_size
+                self.kv_format = kv_format
                 sched.config.kv_bytes_per_token = cap.kv_bytes_per_token or 1
             elif block_size != self.block_size:
                 log.error("node %s uses block size %d, the cluster %d: ignored", node, block_size,
                           self.block_size)
                 return
+            elif None not in (kv_format, self.kv_format) and kv_format != self.kv_format:
+                # Its KV bytes mean something else: reusing them across nodes
+                # would corrupt output.  Set model.dtype alike on every node.
+                log.error("node %s holds KV as %s, the cluster as %s: ignored (set model.dtype "
+                          "alike on every node)", node, _describe(kv_format),
+                          _describe(self.kv_format))
+                return
+            elif self.kv_format is None:
+                self.kv_format = kv_format
             self.epochs.pop(node, None)
             sched.index.remove_node(node)
             if cap.cpp_group is not None:

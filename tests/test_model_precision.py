@@ -1,0 +1,175 @@
+"""model.dtype "auto" (model/precision.py) and the conductor's refusal of a
+node whose KV bytes mean something else than the cluster's."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvstore.layout import PageLayout
+from model.config import RuntimeConfig
+from model.precision import cpu_flags, native_dtype
+from mooncaked.node.membership import NodeRegistry
+from mooncaked.node.messages import NodeCapacity, NodeRegistration
+from mooncaked.node.sections import ConductorSection
+from roles.conductor.cluster import ClusterView
+
+ZEN4_CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+flags\t\t: fpu sse2 avx avx2 fma avx512f avx512_bf16 avx512_vnni
+bogomips\t: 4792.79
+
+processor\t: 1
+flags\t\t: fpu sse2 avx avx2 fma avx512f avx512_bf16 avx512_vnni
+"""
+AVX2_CPUINFO = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma f16c\n"
+ARM_CPUINFO = "processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n"
+
+
+def test_cpu_flags_are_read_from_the_first_cpu():
+    assert cpu_flags(ZEN4_CPUINFO) == {"fpu", "sse2", "avx", "avx2", "fma", "avx512f",
+                                       "avx512_bf16", "avx512_vnni"}
+    assert cpu_flags(ARM_CPUINFO) == {"fp", "asimd", "bf16", "i8mm"}
+    assert cpu_flags("") == frozenset()
+
+
+def test_auto_is_bfloat16_only_where_the_cpu_multiplies_it_natively():
+    assert native_dtype("cpu", cpu_flags(ZEN4_CPUINFO)) == "bfloat16"
+    assert native_dtype("cpu", frozenset({"amx_bf16", "avx2"})) == "bfloat16"
+    assert native_dtype("cpu", cpu_flags(AVX2_CPUINFO)) == "float32"
+    assert native_dtype("cpu", cpu_flags(ARM_CPUINFO)) == "float32"
+    assert native_dtype("mps") == "float32"
+
+
+def test_the_runtime_config_resolves_auto_once_and_keeps_explicit_dtypes():
+    assert RuntimeConfig().dtype == native_dtype("cpu")      # "auto" is the default
+    assert RuntimeConfig(dtype="float32").dtype == "float32"
+    assert RuntimeConfig(dtype="bfloat16").dtype == "bfloat16"
+    with pytest.raises(ValueError, match="auto or one of"):
+        RuntimeConfig(dtype="fp8")
+
+
+def _join(registry: NodeRegistry, node: str, dtype: str, per_token: int) -> None:
+    layout = PageLayout(num_layers=4, block_size=16, num_kv_heads=2, head_dim=64, dtype=dtype)
+    registry.register(NodeRegistration(
+        node_id=node, role="colocated", url=f"http://127.0.0.1:1/{node}",
+        capacity=NodeCapacity(pages=64, block_size=16, kv_bytes_per_token=per_token,
+                              layout=layout)), time.monotonic())
+
+
+def test_a_node_whose_kv_dtype_differs_from_the_cluster_is_ignored(caplog):
+    registry = NodeRegistry(timeout_s=60.0)
+    cluster = ClusterView(registry, ConductorSection())
+    _join(registry, "bf16-0", "bfloat16", 2048)
+    _join(registry, "bf16-1", "bfloat16", 2048)
+    _join(registry, "fp32-0", "float32", 4096)
+    _join(registry, "fp16-0", "float16", 2048)    # same bytes, other meaning
+    assert sorted(cluster.scheduler.prefill) == ["bf16-0", "bf16-1"]
+    assert sorted(cluster.scheduler.decode) == ["bf16-0", "bf16-1"]
+    assert "node fp32-0 holds KV as float32 (4096 bytes per token), the cluster as " \
+           "bfloat16 (2048 bytes per token): ignored" in caplog.text
+    assert "node fp16-0 holds KV as float16" in caplog.text
+
+
+# -- bfloat16 compute: chunk-invariant attention ------------------------------------
+
+def test_tiled_attention_gives_each_position_the_same_bits_in_any_chunking():
+    import torch
+    import torch.nn.functional as F
+
+    from model.llama import ATTENTION_TILE, tiled_attention
+
+    gen = torch.Generator().manual_seed(5)
+    n = 3 * ATTENTION_TILE + 37
+    q = torch.randn(4, n, 32, generator=gen).bfloat16()
+    k = torch.randn(2, n, 32, generator=gen).bfloat16()
+    v = torch.randn(2, n, 32, generator=gen).bfloat16()
+    whole = tiled_attention(q, k, v, 0)
+    reference = F.scaled_dot_product_attention(q[None].float(), k[None].float(), v[None].float(),
+                                               is_causal=True, enable_gqa=True)[0]
+    assert (whole.float() - reference).abs().max().item() < 0.03     # bf16 rounding
+    for start in (1, 16, ATTENTION_TILE, ATTENTION_TILE + 5, n - 1):
+        # After a cached prefix of `start` positions (keys past the chunk hold garbage).
+        k_more = torch.cat([k, torch.full((2, 9, 32), float("nan")).bfloat16()], 1)
+        v_more = torch.cat([v, torch.full((2, 9, 32), float("nan")).bfloat16()], 1)
+        suffix = tiled_attention(q[:, start:], k_more[:, :n], v_more[:, :n], start)
+        assert torch.equal(suffix, whole[:, start:]), start
+        head = tiled_attention(q[:, :start], k[:, :start], v[:, :start], 0)
+        assert torch.equal(head, whole[:, :start]), start
+
+
+def _bf16_runner(pages: int = 24):
+    import torch
+
+    from model.config import page_layout
+    from model.runner import ModelRunner, kv_pages_view
+    from model.weights import load_weights
+
+    weights = load_weights(RuntimeConfig(model="dummy", dtype="bfloat16"))
+    layout = page_layout(weights.config, 16, "bfloat16")
+    kv = kv_pages_view(bytearray(pages * layout.page_bytes), layout)
+    assert kv.dtype == torch.bfloat16
+    return ModelRunner(weights, kv), kv
+
+
+def test_bfloat16_prefill_is_the_same_whole_chunked_or_after_a_cached_prefix():
+    """The oracle at reduced precision: the last token's logits and every
+    position's KV are the same bits however the prompt was split."""
+    import random
+
+    import torch
+
+    prompt = [random.Random(9).randrange(256) for _ in range(300)]
+    table = list(range(20))
+    whole_runner, whole_kv = _bf16_runner()
+    whole = whole_runner.prefill(prompt, table, 0)
+    for chunk, cached in ((32, 0), (48, 0), (1024, 160), (64, 96), (16, 288)):
+        runner, kv = _bf16_runner()
+        if cached:
+            kv[:cached // 16].copy_(whole_kv[:cached // 16])   # the prefix from the store
+        logits = runner.prefill(prompt, table, cached, chunk_size=chunk)
+        assert torch.equal(logits, whole), (chunk, cached)
+        used = -(-len(prompt) // 16)
+        # Every written position (the last page's tail is unwritten on both).
+        assert torch.equal(kv[:used - 1], whole_kv[:used - 1]), (chunk, cached)
+
+
+def test_bfloat16_prefill_batch_equals_each_request_alone():
+    """Several suffixes in one forward pass (the prefill node's batch), one
+    of them after a cached prefix: each gets the bits it gets alone."""
+    import random
+
+    import torch
+
+    rng = random.Random(4)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (100, 37, 230)]
+    tables = [list(range(0, 8)), list(range(8, 12)), list(range(12, 28))]
+    alone, alone_kv = [], []
+    for prompt, table in zip(prompts, tables):
+        runner, kv = _bf16_runner(28)
+        alone.append(runner.prefill(prompt, table, 0))
+        alone_kv.append(kv.clone())
+    runner, kv = _bf16_runner(28)
+    kv[12:16].copy_(alone_kv[2][12:16])         # 64 tokens of the third prompt cached
+    got = runner.prefill_batch([(prompts[0], tables[0], 0), (prompts[1], tables[1], 0),
+                                (prompts[2], tables[2], 64)])
+    for i, (logits, prompt, table) in enumerate(zip(got, prompts, tables)):
+        assert torch.equal(logits, alone[i]), i
+        full = len(prompt) // 16
+        assert torch.equal(kv[table[:full]], alone_kv[i][table[:full]]), i
+
+
+def test_token_attention_matches_float32_attention_to_bf16_rounding():
+    import torch
+    import torch.nn.functional as F
+
+    from model.llama import token_attention
+
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(4, 64, generator=gen)
+    k, v = torch.randn(2, 300, 64, generator=gen), torch.randn(2, 300, 64, generator=gen)
+    want = F.scaled_dot_product_attention(q[None, :, None], k[None], v[None],
+                                          enable_gqa=True)[0, :, 0]
+    got = token_attention(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert got.shape == (4, 64) and got.dtype == torch.bfloat16
+    assert (got.float() - want).abs().max().item() < 0.02

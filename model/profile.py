@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -198,3 +199,58 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     main()
 
+
+
+# -- a node's own start-up measurement: the conductor's prior for it -----------------
+
+# Stop measuring longer prompts once one takes this long (a large model on a
+# small machine must not spend minutes starting).
+COLD_MEASURE_BUDGET_S = 0.3
+
+
+def cold_prefill_samples(prefill: Callable[[int], object], block_size: int,
+                         prefill_chunk: int, budget_s: float = COLD_MEASURE_BUDGET_S,
+                         repeats: int = 2) -> list[tuple[int, float]]:
+    """(tokens, seconds) of uncached prefills of block_size x 1, 2, 4, ...
+    tokens up to prefill_chunk (one chunk each), the best of ``repeats``;
+    longer prompts are skipped once one took ``budget_s``."""
+    samples: list[tuple[int, float]] = []
+    n = block_size
+    while n <= max(block_size, prefill_chunk):
+        best = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            prefill(n)
+            best = min(best, time.perf_counter() - t0)
+        samples.append((n, best))
+        if best >= budget_s:
+            break
+        n *= 2
+    return samples
+
+
+def fit_cold(samples: list[tuple[int, float]]) -> dict[str, float]:
+    """Coefficients (the conductor's POLY_TERMS) of t = c0 + a n + b n^2 fitted
+    to uncached prefills (non-negative, least relative error).  The prefix
+    terms follow from the same costs: each new token attends to every cached
+    one as to the new ones before it, so n*p costs twice n^2 (which counts
+    n^2 / 2 pairs); reading the prefix's pages is left out (p = 0)."""
+    if not samples:
+        raise ValueError("no samples")
+    x = np.array([[1.0, n, float(n) * n] for n, _ in samples])
+    t = np.array([s for _, s in samples])
+    w = 1.0 / np.maximum(t, 1e-6)
+    scale = np.abs(x).max(axis=0)
+    xs = x / scale * w[:, None]
+    # One sample: a rate through the origin; two: a line; three or more: all.
+    active = [1] if len(samples) == 1 else [0, 1] if len(samples) == 2 else [0, 1, 2]
+    while True:
+        coef = np.zeros(3)
+        sol, *_ = np.linalg.lstsq(xs[:, active], t * w, rcond=None)
+        coef[active] = sol
+        negative = [j for j in active if coef[j] < 0]
+        if not negative:
+            break
+        active.remove(min(negative, key=lambda j: coef[j]))
+    c0, a, b = (float(v) for v in coef / scale)
+    return {"c0": c0, "n": a, "n2": b, "np": 2.0 * b, "p": 0.0}

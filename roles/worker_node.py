@@ -36,12 +36,13 @@ from kvstore.metrics import register_store_metrics
 from kvstore.shard import StoreShard
 from model.config import ModelConfig, load_model_config, page_layout, stage_layers
 from model.runner import DecodeSeq, ModelRunner, configure_torch, kv_pages_view
+from model.profile import cold_prefill_samples, fit_cold
 from model.weights import load_weights
 from mooncaked.node.config import NodeConfig
 from mooncaked.node.context import NodeContext
 from mooncaked.node.errors import StartupError
 from mooncaked.node.internal_client import InternalCallError, InternalClient
-from mooncaked.node.messages import Route, SegmentDescriptor
+from mooncaked.node.messages import PrefillSpeed, Route, SegmentDescriptor
 from rdma.engine import TransferEngine
 
 log = logging.getLogger("mooncaked.worker")
@@ -96,6 +97,9 @@ class WorkerNode:
     # at warm-up) stays within prefill.interleave_overhead of the chunk's
     # compute; 0 = not measured (chunks stay prefill_chunk).
     interleave_tokens: int = 0
+    # This node's prefill time measured at warm-up (prefill and colocated
+    # nodes holding every layer): the conductor's prior for it.
+    prefill_speed: PrefillSpeed | None = None
 
     @classmethod
     async def open(cls, ctx: NodeContext) -> WorkerNode:
@@ -189,7 +193,8 @@ class WorkerNode:
             layout=self.layout, region=self.region_id,
             layers=[self.first_layer, self.end_layer], yields_to=yields_to or None,
             interleave_tokens=(self.interleave_tokens or None)
-            if self.ctx.config.node.role == "colocated" else None)
+            if self.ctx.config.node.role == "colocated" else None,
+            prefill_speed=self.prefill_speed)
         if self.cpp:
             ctx.capacity = dataclasses.replace(ctx.capacity, cpp_group=pf.cpp_group,
                                                cpp_stage=pf.cpp_stage, cpp_stages=pf.cpp_stages)
@@ -215,6 +220,30 @@ class WorkerNode:
             self.interleave_tokens = self._measure_interleave_tokens(page)
         finally:
             self.shard.free(page)
+        if self.ctx.config.node.role in ("prefill", "colocated"):
+            self.prefill_speed = self._measure_prefill_speed()
+
+    def _measure_prefill_speed(self) -> PrefillSpeed | None:
+        """Uncached prefills of one block, two, four ... up to a prefill
+        chunk (model.profile.cold_prefill_samples), fitted; None when the
+        shard cannot spare the pages."""
+        bs, chunk = self.layout.block_size, self.config.model.prefill_chunk
+        need = -(-max(bs, chunk) // bs)
+        if need > self.shard.num_pages:
+            return None
+        pages = self.shard.allocate(need)
+        try:
+            vocab = self.model_config.vocab_size
+            tokens = [(7 * i + 3) % vocab for i in range(need * bs)]
+            samples = cold_prefill_samples(
+                lambda n: self.runner.prefill(tokens[:n], pages, 0, chunk_size=chunk), bs, chunk)
+        finally:
+            self.shard.free(pages)
+        c = fit_cold(samples)
+        log.info("prefill measured: %s", ", ".join(f"{n} tokens {s * 1e3:.1f} ms"
+                                                   for n, s in samples))
+        return PrefillSpeed(c0=c["c0"], per_token=c["n"], per_token2=c["n2"],
+                            per_token_cached=c["np"], sampled_up_to=samples[-1][0])
 
     def _measure_interleave_tokens(self, page: list[int]) -> int:
         share = self.config.prefill.interleave_overhead

@@ -732,6 +732,26 @@ NODE_ROLES = ("prefill", "decode", "colocated")
 
 
 @dataclass(frozen=True)
+class PrefillSpeed(Message):
+    """A prefill node's own prefill time, measured at start on uncached
+    prompts and fitted as ``model.profile.fit_cold`` does: the conductor's
+    prior for the node until its online fit has samples.  Seconds:
+    t = c0 + per_token n + per_token2 n^2 + per_token_cached n p for n new
+    tokens after p cached ones."""
+    WHERE = "prefill_speed"
+    c0: float = wire(seconds)
+    per_token: float = wire(seconds)
+    per_token2: float = wire(seconds)
+    per_token_cached: float = wire(seconds)
+    sampled_up_to: int = wire(integer(1))   # the longest prompt measured, tokens
+
+    def coeffs(self) -> dict[str, float]:
+        """In the conductor's POLY_TERMS."""
+        return {"c0": self.c0, "n": self.per_token, "n2": self.per_token2,
+                "np": self.per_token_cached, "p": 0.0}
+
+
+@dataclass(frozen=True)
 class NodeCapacity(Message):
     """What a node announces it holds when it registers.  Every field is
     ``reported``: None where the node's role has none of it.
@@ -762,6 +782,8 @@ class NodeCapacity(Message):
     # run (WorkerNode.interleave_tokens): each decode step then waits for
     # one such chunk, and each chunk for one step.
     interleave_tokens: int | None = reported(integer(1))
+    # A prefill or colocated node holding every layer: its measured prefill time.
+    prefill_speed: PrefillSpeed | None = reported(message(PrefillSpeed))
 
     @classmethod
     def from_wire(cls, obj: Any, where: str | None = None) -> Self:

@@ -84,12 +84,41 @@ class ClusterView:
         # (dtype, KV bytes per token) of the cluster's first node that reported them.
         self.kv_format: tuple[str | None, int | None] | None = None
         self.epochs: dict[str, int] = {}
+        # Prefill nodes' own start-up measurements (NodeCapacity.prefill_speed):
+        # their mean is the prior until the online fit has samples, unless
+        # conductor.prefill_profile names one.
+        self.prior_from_profile = bool(section.prefill_profile)
+        self.measured_speed: dict[str, dict[str, float]] = {}
         # CPP groups: group -> {stage: node_id}; a complete group is one
         # prefill instance named "cpp:<group>" for the Scheduler.
         self.groups: dict[str, dict[int, str]] = {}
         self.group_of: dict[str, tuple[str, int, int]] = {}   # node -> (group, stage, stages)
         self.prefill_chunk = 1024  # set from the conductor's [model] section
         registry.subscribe(self._on_membership)
+
+    def _measured_prior(self, node: str, coeffs: dict[str, float]) -> None:
+        """The cluster's prefill prior from the nodes' own measurements, while
+        nothing better is known: the built-in default is a guess that can be
+        several times off on a given machine, and a request priced by it is
+        refused or admitted on that guess."""
+        self.measured_speed[node] = coeffs
+        est = self.scheduler.prefill_est
+        if self.prior_from_profile or est.fitted_since_fork():
+            return
+        nodes = list(self.measured_speed.values())
+        est.coeffs = {t: sum(c[t] for c in nodes) / len(nodes) for t in est.coeffs}
+        log.info("prefill prior from %d node(s)' start-up measurement: %.0f ms for 1024 "
+                 "new tokens", len(nodes), est.seconds(1024, 0) * 1e3)
+
+    def _prior_source(self) -> str:
+        """Where the cluster-wide prefill coefficients come from now."""
+        if self.scheduler.prefill_est.fitted_since_fork():
+            return "fitted online"
+        if self.prior_from_profile:
+            return "conductor.prefill_profile"
+        if self.measured_speed:
+            return f"measured at start by {', '.join(sorted(self.measured_speed))}"
+        return "built-in default"
 
     def _on_membership(self, event: str, record: NodeRecord) -> None:
         sched = self.scheduler
@@ -121,12 +150,15 @@ class ClusterView:
                 self._join_group(record)
                 return
             if record.role in ("prefill", "colocated"):
+                if cap.prefill_speed is not None:
+                    self._measured_prior(node, cap.prefill_speed.coeffs())
                 sched.add_prefill_node(node, cache_capacity_blocks=cap.pages or 0,
                                        yields_to=tuple(cap.yields_to or ()),
                                        interleave_tokens=cap.interleave_tokens or 0)
             if record.role in ("decode", "colocated"):
                 sched.add_decode_node(node, page_budget=cap.pages or 0, page_tokens=block_size)
         elif event in ("left", "dead"):
+            self.measured_speed.pop(node, None)
             if node in self.group_of:
                 group, stage, _ = self.group_of.pop(node)
                 self.groups.get(group, {}).pop(stage, None)
@@ -261,6 +293,7 @@ class ClusterView:
                           for kind, stats in sched.residual_stats(now).items()},
             "ttft_error_mean_s": sum(errors) / len(errors) if errors else None,
             "prefill_coeffs": getattr(sched.prefill_est, "coeffs", None),
+            "prefill_prior": self._prior_source(),
             # What prices each node: its own fit, else (none yet) the cluster-wide one.
             "prefill_coeffs_by_node": {n: getattr(sched.estimator_for(n), "coeffs", None)
                                        for n in sched.node_estimators},

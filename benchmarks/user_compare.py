@@ -337,11 +337,37 @@ def prediction_error(traces: list[dict[str, Any]], ttft_p50_s: float | None) -> 
             "ttft_mae_of_p50": mae / ttft_p50_s if ttft_p50_s else None}
 
 
+# aiperf's per-request records, beside its summary.
+RECORDS_JSONL = "profile_export.jsonl"
+
+
+def client_late_p90_ms(records: list[dict[str, Any]]) -> float | None:
+    """The 90th percentile of how late aiperf itself sent a request after its
+    schedule said to (credit issued -> request started), ms.  Its TTFT
+    starts at the send, so a client starved of CPU shows here, not there;
+    where this is large the run says as much about the client as about the
+    server."""
+    late = sorted((m["request_start_ns"] - m["credit_issued_ns"]) / 1e6
+                  for m in (r.get("metadata") or {} for r in records)
+                  if "request_start_ns" in m and "credit_issued_ns" in m)
+    return late[min(len(late) - 1, int(0.9 * len(late)))] if late else None
+
+
+def read_records(artifact_dir: Path) -> list[dict[str, Any]]:
+    path = artifact_dir / RECORDS_JSONL
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
 def result_row(trace: TraceSlice, rate: float, server: str, export: dict[str, Any],
                before: dict[str, float] | None, after: dict[str, float] | None,
-               traces: list[dict[str, Any]]) -> dict[str, Any]:
-    """One table row: aiperf's summary, the server's counters, its predictions."""
+               traces: list[dict[str, Any]],
+               records: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One table row: aiperf's summary, the server's counters, its predictions,
+    and (from aiperf's per-request ``records``) how late the client sent."""
     row = summary_row(server, export, len(trace.records))
+    row["client_late_p90_ms"] = client_late_p90_ms(records or [])
     row.update(trace=trace.name, rate_x=rate, offered_rps=trace.rate_rps * rate,
                theoretical_hit_ratio=trace.theoretical_hit_ratio,
                theoretical_hit_ratio_256=trace.theoretical_hit_ratio_mooncaked_blocks)
@@ -368,8 +394,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
     out = ["| trace | rate | server | offered req/s | ok/sent | 429 | goodput req/s "
            "| in SLO of accepted | TTFT p50 ms | ITL p90 ms | prefix hits (server) "
-           f"| cached (usage) | theoretical (@{MOONCAKED_BLOCK_TOKENS}) | TTFT MAE / p50 |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           f"| cached (usage) | theoretical (@{MOONCAKED_BLOCK_TOKENS}) | TTFT MAE / p50 "
+           "| client late p90 ms |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cached = r.get("cached_prompt_pct")
         out.append(
@@ -379,7 +406,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"| {f(r['itl_p90_ms'], '.1f')} | {f(r['prefix_hit_ratio'], '.1%')} "
             f"| {f(None if cached is None else cached / 100, '.1%')} "
             f"| {r['theoretical_hit_ratio']:.1%} ({f(r.get('theoretical_hit_ratio_256'), '.1%')}) "
-            f"| {f(r['ttft_mae_of_p50'], '.0%')} |")
+            f"| {f(r['ttft_mae_of_p50'], '.0%')} | {f(r.get('client_late_p90_ms'), '.0f')} |")
     return "\n".join(out)
 
 
@@ -442,7 +469,8 @@ def run_one(target: Target, trace: TraceSlice, rate: float, text: BlockText, aip
     finally:
         target.stop()
     export = json.loads((measured / SUMMARY_JSON).read_text())
-    return result_row(trace, rate, target.name, export, before, after, traces)
+    return result_row(trace, rate, target.name, export, before, after, traces,
+                      read_records(measured))
 
 
 def main(argv: list[str] | None = None) -> int:

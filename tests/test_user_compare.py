@@ -128,18 +128,24 @@ def test_result_row_table_and_plot_from_a_fixed_aiperf_export(tmp_path):
     traces = [{"request_id": "a", "predicted_ttft_s": 0.3, "ttft_s": 0.2},
               {"request_id": "b", "predicted_ttft_s": 0.1, "ttft_s": 0.2},
               {"request_id": "c", "predicted_ttft_s": 0.1, "ttft_s": 0.0}]   # rejected
+    # aiperf's per-request records: sent 1, 3, 2 and 40 ms late (one without timing).
+    records = [{"metadata": {"credit_issued_ns": 10**9 * i, "request_start_ns": 10**9 * i + late}}
+               for i, late in enumerate((1_000_000, 3_000_000, 2_000_000, 40_000_000))]
+    records.append({"metadata": {"x_request_id": "no timing"}})
     row = user_compare.result_row(trace, 2.0, "mooncaked", export,
                                   {"queries": 100.0, "hits": 10.0},
-                                  {"queries": 228.0, "hits": 42.0}, traces)
+                                  {"queries": 228.0, "hits": 42.0}, traces, records)
     assert row["offered_rps"] == pytest.approx(2.0)       # 3 gaps in 3 s, at 2x
     assert row["in_slo_of_accepted"] == pytest.approx(2 / 3)
     assert row["prefix_hit_ratio"] == pytest.approx(32 / 128)
     assert row["theoretical_hit_ratio"] == pytest.approx(3 * 32 / 256)
     assert row["ttft_mae_s"] == pytest.approx(0.1)
     assert row["ttft_mae_of_p50"] == pytest.approx(0.5)
+    assert row["client_late_p90_ms"] == pytest.approx(40.0)   # sorted 1, 2, 3, 40: index 3
     line = user_compare.markdown([row]).splitlines()[-1]
     assert line == ("| chat | 2x | mooncaked | 2.00 | 3/4 | 1 | 0.50 | 67% | 200 | 40.0 "
-                    "| 25.0% | 25.0% | 37.5% (0.0%) | 50% |")
+                    "| 25.0% | 25.0% | 37.5% (0.0%) | 50% | 40 |")
+    assert user_compare.client_late_p90_ms([]) is None
     user_compare.write_results(tmp_path, [row], {"note": "test"})
     assert (tmp_path / "results.png").stat().st_size > 0
 

@@ -110,7 +110,8 @@ class ProfileConfig:
     lengths: list[int] = field(default_factory=lambda: [256, 1024, 2048, 4096, 8192])
     prefix_fractions: list[float] = field(default_factory=lambda: [0.0, 0.5, 0.9])
     repeats: int = 1
-    dtype: str = "float32"
+    # As model.dtype: "auto" measures in the dtype the nodes will run.
+    dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
     torch_threads: int = 0
@@ -130,12 +131,12 @@ def measure(cfg: ProfileConfig) -> tuple[list[tuple[int, int, float]], RuntimeCo
                             torch_threads=cfg.torch_threads)
     configure_torch(runtime)
     mc = load_model_config(cfg.model)
-    layout = page_layout(mc, cfg.block_size, cfg.dtype)
+    layout = page_layout(mc, cfg.block_size, runtime.dtype)
     max_len = max(cfg.lengths)
     num_pages = -(-max_len // cfg.block_size)
     # Prefix KV contents do not change the time, so the pages stay zero.
     pages = torch.zeros(num_pages, layout.num_layers, 2, cfg.block_size, layout.num_kv_heads,
-                        layout.head_dim, dtype=TORCH_DTYPES[cfg.dtype], device=cfg.device)
+                        layout.head_dim, dtype=TORCH_DTYPES[runtime.dtype], device=cfg.device)
     runner = ModelRunner(load_weights(runtime), pages)
     gen = torch.Generator().manual_seed(cfg.seed)
     table = list(range(num_pages))
@@ -168,7 +169,7 @@ def run(args: Any) -> dict:
     samples, runtime = measure(cfg)
     coef = fit(samples)
     profile = PrefillProfile(coef, {
-        "model": cfg.model, "dtype": cfg.dtype, "device": cfg.device,
+        "model": cfg.model, "dtype": runtime.dtype, "device": cfg.device,
         "block_size": cfg.block_size, "prefill_chunk": cfg.prefill_chunk,
         "torch_threads": torch.get_num_threads(),
         "samples": [{"input_len": i, "prefix_len": p, "seconds": s} for i, p, s in samples],

@@ -53,6 +53,9 @@ def test_run_measures_fits_and_writes_the_file(tmp_path):
     assert all(c >= 0 for c in prof.coefficients)
     assert prof.predict(160, 0) > 0
     assert prof.meta["model"] == "tiny" and prof.meta["block_size"] == 16
+    # Measured in the dtype nodes run by default ("auto" resolved, never "auto").
+    from model.precision import native_dtype
+    assert prof.meta["dtype"] == native_dtype("cpu")
     with pytest.raises(ValueError, match="prefix_fractions"):
         ProfileConfig(prefix_fractions=[1.0])
     (tmp_path / "bad.json").write_text('{"format": "other"}')

@@ -16,6 +16,7 @@ Each ends with nothing pinned, private, reserved or fenced on any worker.
 from __future__ import annotations
 
 import json
+import math
 import random
 import threading
 import time
@@ -205,12 +206,30 @@ def test_cancellation_storm_on_a_small_decode_pool(tmp_path):
         cluster.stop()
 
 
+def overload_burst(conductor_url: str, slo_s: float, factor: float = 4.0,
+                   most: int = 256) -> tuple[int, int]:
+    """(prompt tokens, requests) of a burst holding ``factor`` x the prefill
+    work the TTFT SLO admits, by the conductor's own prefill prior (the
+    nodes' start-up measurement): a fixed burst would overload a slow
+    machine and not a fast one.  The prompt is the longest whose predicted
+    prefill is within an eighth of the SLO, so the first requests fit."""
+    status = get_json(conductor_url + "/admin/status")[1]["scheduler"]
+    c = status["prefill_coeffs"]
+
+    def seconds(n: int) -> float:
+        return c["c0"] + c["n"] * n + c["n2"] * n * n
+
+    length = next((n for n in (4000, 2048, 1024, 512) if seconds(n) <= slo_s / 8), 256)
+    return length, max(8, min(most, math.ceil(factor * slo_s / seconds(length))))
+
+
 def test_overload_4x_gets_429_and_loses_nothing(tmp_path):
     cluster = start_nodes(tmp_path, ["conductor.ttft_slo_s=1.0"], [
         ("prefill-0", "prefill", [BIG_STORE]), ("decode-0", "decode", [BIG_STORE])],
         COMMON)
     try:
-        prompts = [tokens(1024, seed=600 + i) for i in range(16)]
+        length, count = overload_burst(cluster.url, 1.0)
+        prompts = [tokens(length, seed=600 + i) for i in range(count)]
         results: list = [None] * len(prompts)
         headers: list = [None] * len(prompts)
 
@@ -247,7 +266,8 @@ def test_overload_4x_gets_429_and_loses_nothing(tmp_path):
                 assert trace_of(cluster.url, body)["output_token_ids"] == \
                     reference(MODEL, prompts[i], 4)
         clean_s = wait_nothing_left(worker_urls(cluster), 15)
-        report("4x overload", sent=len(prompts), accepted=statuses.count(200),
+        report("4x overload", prompt_tokens=length, sent=len(prompts),
+               accepted=statuses.count(200),
                rejected_429=statuses.count(429), burst_s=burst_s, nothing_left_after_s=clean_s)
     finally:
         cluster.stop()

@@ -36,7 +36,7 @@ from kvstore.metrics import register_store_metrics
 from kvstore.shard import StoreShard
 from model.config import ModelConfig, load_model_config, page_layout, stage_layers
 from model.runner import DecodeSeq, ModelRunner, configure_torch, kv_pages_view
-from model.profile import cold_prefill_samples, fit_cold
+from model.profile import COLD_MEASURE_CHUNKS, cold_prefill_samples, fit_cold
 from model.weights import load_weights
 from mooncaked.node.config import NodeConfig
 from mooncaked.node.context import NodeContext
@@ -224,11 +224,12 @@ class WorkerNode:
             self.prefill_speed = self._measure_prefill_speed()
 
     def _measure_prefill_speed(self) -> PrefillSpeed | None:
-        """Uncached prefills of one block, two, four ... up to a prefill
-        chunk (model.profile.cold_prefill_samples), fitted; None when the
+        """Uncached prefills of one block, two, four ... up to a few prefill
+        chunks (model.profile.cold_prefill_samples), fitted; None when the
         shard cannot spare the pages."""
         bs, chunk = self.layout.block_size, self.config.model.prefill_chunk
-        need = -(-max(bs, chunk) // bs)
+        longest = min(COLD_MEASURE_CHUNKS * chunk, self.model_config.max_position)
+        need = -(-max(bs, longest) // bs)
         if need > self.shard.num_pages:
             return None
         pages = self.shard.allocate(need)
@@ -236,7 +237,7 @@ class WorkerNode:
             vocab = self.model_config.vocab_size
             tokens = [(7 * i + 3) % vocab for i in range(need * bs)]
             samples = cold_prefill_samples(
-                lambda n: self.runner.prefill(tokens[:n], pages, 0, chunk_size=chunk), bs, chunk)
+                lambda n: self.runner.prefill(tokens[:n], pages, 0, chunk_size=chunk), bs, longest)
         finally:
             self.shard.free(pages)
         c = fit_cold(samples)

@@ -39,7 +39,7 @@ def test_fit_cold_with_fewer_samples_than_terms():
     assert min(c.values()) >= 0.0
 
 
-def test_cold_samples_double_from_one_block_to_the_chunk_within_the_budget():
+def test_cold_samples_double_from_one_block_to_the_longest_within_the_budget():
     seen: list[int] = []
     samples = cold_prefill_samples(seen.append, 64, 1000, budget_s=float("inf"), repeats=2)
     assert [n for n, _ in samples] == [64, 128, 256, 512]

@@ -316,6 +316,7 @@ def decode_layer(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer: int,
     bsz = x.shape[0]
     q, k, v = _qkv(rms_norm(x, w.attn_norm, c.rms_eps), w, c, cos, sin)
     write_kv(kv_pages, layer, token_pages, token_slots, k, v)
+    reduced = q.dtype in REDUCED_PRECISION
     outs = []
     for b in range(bsz):
         mirror = mirrors[b] if mirrors is not None else None
@@ -324,7 +325,7 @@ def decode_layer(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer: int,
         else:
             mirror.put(layer, ends[b], k[b], v[b])
             keys, values = mirror.context(layer, ends[b] + 1)
-        if q.dtype in REDUCED_PRECISION:
+        if reduced:
             outs.append(token_attention(q[b], keys, values))
         else:
             outs.append(F.scaled_dot_product_attention(

@@ -80,25 +80,81 @@ class PrefillProfile:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
+def _nonnegative_fit(x: np.ndarray, t: np.ndarray, active: list[int]) -> np.ndarray:
+    """Coefficients of the columns of ``x`` fitting ``t`` by least squares on
+    relative error, every one >= 0: active-set NNLS over the columns in
+    ``active`` (a term that comes out negative is dropped and the rest
+    refitted); the others are 0."""
+    w = 1.0 / np.maximum(t, 1e-6)
+    scale = np.abs(x).max(axis=0)  # columns span 1 .. 1e8: normalise for conditioning
+    xs = x / scale * w[:, None]
+    active = list(active)
+    while True:
+        coef = np.zeros(x.shape[1])
+        sol, *_ = np.linalg.lstsq(xs[:, active], t * w, rcond=None)
+        coef[active] = sol
+        negative = [j for j in active if coef[j] < 0]
+        if not negative:
+            return coef / scale
+        active.remove(min(negative, key=lambda j: coef[j]))
+
+
 def fit(samples: list[tuple[int, int, float]]) -> list[float]:
     """Non-negative least squares on relative error over (input_len, prefix_len, seconds)."""
     if len(samples) < len(FEATURES):
         raise ValueError(f"need at least {len(FEATURES)} samples, got {len(samples)}")
     x = np.array([features(i - p, p) for i, p, _ in samples], dtype=np.float64)
     t = np.array([s for _, _, s in samples], dtype=np.float64)
-    w = 1.0 / np.maximum(t, 1e-6)
-    scale = np.abs(x).max(axis=0)  # columns span 1 .. 1e8: normalise for conditioning
-    xs = x / scale * w[:, None]
-    active = list(range(len(FEATURES)))
-    # Active-set NNLS: refit without any term that comes out negative.
-    while True:
-        coef = np.zeros(len(FEATURES))
-        sol, *_ = np.linalg.lstsq(xs[:, active], t * w, rcond=None)
-        coef[active] = sol
-        negative = [j for j in active if coef[j] < 0]
-        if not negative:
-            return list(coef / scale)
-        active.remove(min(negative, key=lambda j: coef[j]))
+    return list(_nonnegative_fit(x, t, list(range(len(FEATURES)))))
+
+
+# -- a node's own start-up measurement: the conductor's prior for it -----------------
+
+# Stop measuring longer prompts once one takes this long (a large model on a
+# small machine must not spend minutes starting).
+COLD_MEASURE_BUDGET_S = 0.3
+# Prompts up to this many prefill chunks are measured (budget permitting):
+# past one chunk a prompt pays each chunk's fixed cost and re-reads the
+# KV before it, which one-chunk samples do not show.
+COLD_MEASURE_CHUNKS = 4
+
+
+def cold_prefill_samples(prefill: Callable[[int], object], block_size: int,
+                         longest: int, budget_s: float = COLD_MEASURE_BUDGET_S,
+                         repeats: int = 2) -> list[tuple[int, float]]:
+    """(tokens, seconds) of uncached prefills of block_size x 1, 2, 4, ...
+    tokens up to ``longest`` (a node asks for ``COLD_MEASURE_CHUNKS``
+    prefill chunks), the best of ``repeats``; longer prompts are skipped
+    once one took ``budget_s``."""
+    samples: list[tuple[int, float]] = []
+    n = block_size
+    while n <= max(block_size, longest):
+        best = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            prefill(n)
+            best = min(best, time.perf_counter() - t0)
+        samples.append((n, best))
+        if best >= budget_s:
+            break
+        n *= 2
+    return samples
+
+
+def fit_cold(samples: list[tuple[int, float]]) -> dict[str, float]:
+    """Coefficients (the conductor's POLY_TERMS) of t = c0 + a n + b n^2 fitted
+    to uncached prefills (non-negative, least relative error).  The prefix
+    terms follow from the same costs: each new token attends to every cached
+    one as to the new ones before it, so n*p costs twice n^2 (which counts
+    n^2 / 2 pairs); reading the prefix's pages is left out (p = 0)."""
+    if not samples:
+        raise ValueError("no samples")
+    x = np.array([[1.0, n, float(n) * n] for n, _ in samples])
+    t = np.array([s for _, s in samples])
+    # One sample: a rate through the origin; two: a line; three or more: all.
+    active = [1] if len(samples) == 1 else [0, 1] if len(samples) == 2 else [0, 1, 2]
+    c0, a, b = (float(v) for v in _nonnegative_fit(x, t, active))
+    return {"c0": c0, "n": a, "n2": b, "np": 2.0 * b, "p": 0.0}
 
 
 @dataclass
@@ -199,66 +255,3 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-
-
-
-# -- a node's own start-up measurement: the conductor's prior for it -----------------
-
-# Stop measuring longer prompts once one takes this long (a large model on a
-# small machine must not spend minutes starting).
-COLD_MEASURE_BUDGET_S = 0.3
-
-
-# Prompts up to this many prefill chunks are measured (budget permitting):
-# past one chunk a prompt pays each chunk's fixed cost and re-reads the
-# KV before it, which one-chunk samples do not show.
-COLD_MEASURE_CHUNKS = 4
-
-
-def cold_prefill_samples(prefill: Callable[[int], object], block_size: int,
-                         longest: int, budget_s: float = COLD_MEASURE_BUDGET_S,
-                         repeats: int = 2) -> list[tuple[int, float]]:
-    """(tokens, seconds) of uncached prefills of block_size x 1, 2, 4, ...
-    tokens up to ``longest`` (a node asks for ``COLD_MEASURE_CHUNKS``
-    prefill chunks), the best of ``repeats``; longer prompts are skipped
-    once one took ``budget_s``."""
-    samples: list[tuple[int, float]] = []
-    n = block_size
-    while n <= max(block_size, longest):
-        best = math.inf
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            prefill(n)
-            best = min(best, time.perf_counter() - t0)
-        samples.append((n, best))
-        if best >= budget_s:
-            break
-        n *= 2
-    return samples
-
-
-def fit_cold(samples: list[tuple[int, float]]) -> dict[str, float]:
-    """Coefficients (the conductor's POLY_TERMS) of t = c0 + a n + b n^2 fitted
-    to uncached prefills (non-negative, least relative error).  The prefix
-    terms follow from the same costs: each new token attends to every cached
-    one as to the new ones before it, so n*p costs twice n^2 (which counts
-    n^2 / 2 pairs); reading the prefix's pages is left out (p = 0)."""
-    if not samples:
-        raise ValueError("no samples")
-    x = np.array([[1.0, n, float(n) * n] for n, _ in samples])
-    t = np.array([s for _, s in samples])
-    w = 1.0 / np.maximum(t, 1e-6)
-    scale = np.abs(x).max(axis=0)
-    xs = x / scale * w[:, None]
-    # One sample: a rate through the origin; two: a line; three or more: all.
-    active = [1] if len(samples) == 1 else [0, 1] if len(samples) == 2 else [0, 1, 2]
-    while True:
-        coef = np.zeros(3)
-        sol, *_ = np.linalg.lstsq(xs[:, active], t * w, rcond=None)
-        coef[active] = sol
-        negative = [j for j in active if coef[j] < 0]
-        if not negative:
-            break
-        active.remove(min(negative, key=lambda j: coef[j]))
-    c0, a, b = (float(v) for v in coef / scale)
-    return {"c0": c0, "n": a, "n2": b, "np": 2.0 * b, "p": 0.0}

@@ -157,11 +157,13 @@ def _torch_version() -> str:
 
 def cached_or_measure(model: str, ncpus: int, mix: RequestMix, prefill_chunk: int = 1024,
                       base: Path | None = None, timeout_s: float = MEASURE_TIMEOUT_S,
-                      dtype: str = "float32") -> tuple[Measurements, str]:
-    """This machine's measurements for ``model`` computed in ``dtype`` (a
-    resolved one, as the nodes run it): from the cache, or taken now in a
-    child process (then cached).  Returns them and where they came from.
-    Raises RuntimeError when the measurement fails."""
+                      dtype: str = "auto") -> tuple[Measurements, str]:
+    """This machine's measurements for ``model`` computed in ``dtype`` (as
+    model.dtype; "auto" resolved here, as a node resolves it): from the
+    cache, or taken now in a child process (then cached).  Returns them and
+    where they came from.  Raises RuntimeError when the measurement fails."""
+    from model.precision import AUTO, native_dtype
+    dtype = native_dtype("cpu") if dtype == AUTO else dtype
     key = cache_key(model, ncpus, mix, prefill_chunk, _torch_version(), dtype)
     found = load_cached(key, base)
     if found is not None:

@@ -35,8 +35,8 @@ from kvstore.layout import PageLayout
 from kvstore.metrics import register_store_metrics
 from kvstore.shard import StoreShard
 from model.config import ModelConfig, load_model_config, page_layout, stage_layers
-from model.runner import DecodeSeq, ModelRunner, configure_torch, kv_pages_view
 from model.profile import COLD_MEASURE_CHUNKS, cold_prefill_samples, fit_cold
+from model.runner import DecodeSeq, ModelRunner, configure_torch, kv_pages_view
 from model.weights import load_weights
 from mooncaked.node.config import NodeConfig
 from mooncaked.node.context import NodeContext

@@ -129,21 +129,19 @@ class ClusterView:
             kv_format = _kv_format(cap)
             if self.block_size is None:
                 self.block_size = block_size
-                self.kv_format = kv_format
                 sched.config.kv_bytes_per_token = cap.kv_bytes_per_token or 1
             elif block_size != self.block_size:
                 log.error("node %s uses block size %d, the cluster %d: ignored", node, block_size,
                           self.block_size)
                 return
-            elif None not in (kv_format, self.kv_format) and kv_format != self.kv_format:
+            if None not in (kv_format, self.kv_format) and kv_format != self.kv_format:
                 # Its KV bytes mean something else: reusing them across nodes
                 # would corrupt output.  Set model.dtype alike on every node.
                 log.error("node %s holds KV as %s, the cluster as %s: ignored (set model.dtype "
                           "alike on every node)", node, _describe(kv_format),
                           _describe(self.kv_format))
                 return
-            elif self.kv_format is None:
-                self.kv_format = kv_format
+            self.kv_format = self.kv_format or kv_format
             self.epochs.pop(node, None)
             sched.index.remove_node(node)
             if cap.cpp_group is not None:

@@ -12,7 +12,9 @@ def test_freezing_takes_what_exists_out_of_the_collectors_walks():
     kept = [[i] for i in range(1000)]   # lists: objects the collector tracks
     try:
         frozen = freeze_startup()
-        assert frozen == gc.get_freeze_count() >= len(kept)
+        # Other threads of this process (earlier tests') may free frozen
+        # objects meanwhile, never freeze more: the count only falls.
+        assert frozen >= gc.get_freeze_count() >= len(kept)
     finally:
         gc.unfreeze()
 

@@ -73,7 +73,8 @@ default ``mooncaked up`` (store.block_size), which cannot reuse a shared prefix'
 block), and mooncaked's TTFT mean absolute prediction error over the
 client's TTFT p50.  Writes ``results.json``, ``results.md`` and
 ``results.png`` under ``--out``, aiperf's artifacts under
-``--out/aiperf/TRACE/RATE/SERVER/``.  A benchmark, not a test; figures on a
+``--out/aiperf/TRACE/RATE/SERVER/`` (with mooncaked's conductor traces of
+the measured replay in ``slice/conductor_requests.json``).  A benchmark, not a test; figures on a
 shared 2-core machine are relative.  The whole matrix (3 traces x 3 rates x
 3 servers, 200 requests) takes about an hour there, mostly vLLM's start-ups.
 """
@@ -466,6 +467,8 @@ def run_one(target: Target, trace: TraceSlice, rate: float, text: BlockText, aip
         # The conductor's traces of the measured replay (it keeps the last 256).
         traces = [t for t in recent_traces(url) if t.get("request_id") not in warm_ids] \
             if mooncaked else []
+        if traces:
+            (measured / "conductor_requests.json").write_text(json.dumps(traces, indent=1))
     finally:
         target.stop()
     export = json.loads((measured / SUMMARY_JSON).read_text())

@@ -44,6 +44,7 @@ from mooncaked.node.errors import StartupError
 from mooncaked.node.internal_client import InternalCallError, InternalClient
 from mooncaked.node.messages import PrefillSpeed, Route, SegmentDescriptor
 from rdma.engine import TransferEngine
+from roles.compute_sharing import StepQueue
 
 log = logging.getLogger("mooncaked.worker")
 T = TypeVar("T")
@@ -56,6 +57,9 @@ class WorkerNode:
     ctx: NodeContext
     config: NodeConfig
     compute_pool: ThreadPoolExecutor
+    # Decode steps a prefill on the compute thread gives way to between two
+    # layers (roles/compute_sharing.py): what a colocated node decodes with.
+    steps: StepQueue
     # Every call this node makes to a peer or the conductor is internal: the
     # client carries the cluster token when one is configured.
     client: InternalClient
@@ -160,7 +164,8 @@ class WorkerNode:
             client = InternalClient.open(cfg.node.cluster_token)
             stack.push_async_callback(client.close)
             engine.set_resolver(segment_resolver(client, ctx.conductor))
-            worker = cls(ctx=ctx, config=cfg, compute_pool=pool, client=client, shard=shard,
+            worker = cls(ctx=ctx, config=cfg, compute_pool=pool,
+                         steps=StepQueue(pool, pf.interleave_step_ratio), client=client, shard=shard,
                          runner=runner, engine=engine, model_config=weights.config,
                          full_layout=full_layout, layout=layout,
                          first_layer=weights.first_layer, end_layer=weights.end_layer,
@@ -185,6 +190,7 @@ class WorkerNode:
         ctx, pf = self.ctx, self.config.prefill
         ctx.transfer_descriptor = self.engine.segment_descriptor()
         yields_to = [n.strip() for n in pf.yields_to.split(",") if n.strip()]
+        colocated = ctx.config.node.role == "colocated"
         ctx.capacity = dataclasses.replace(
             ctx.capacity, pages=self.shard.num_pages, block_size=self.layout.block_size,
             page_bytes=self.layout.page_bytes,
@@ -192,8 +198,8 @@ class WorkerNode:
             kv_bytes_per_token=self.full_layout.kv_bytes_per_token,
             layout=self.layout, region=self.region_id,
             layers=[self.first_layer, self.end_layer], yields_to=yields_to or None,
-            interleave_tokens=(self.interleave_tokens or None)
-            if self.ctx.config.node.role == "colocated" else None,
+            interleave_tokens=(self.interleave_tokens or None) if colocated else None,
+            interleave_step_ratio=pf.interleave_step_ratio if colocated else None,
             prefill_speed=self.prefill_speed)
         if self.cpp:
             ctx.capacity = dataclasses.replace(ctx.capacity, cpp_group=pf.cpp_group,
@@ -260,6 +266,17 @@ class WorkerNode:
     async def compute(self, fn: Callable[..., T], *args: Any) -> T:
         """Run model work on the compute thread."""
         return await asyncio.get_running_loop().run_in_executor(self.compute_pool, fn, *args)
+
+    def compute_step(self, fn: Callable[..., T], *args: Any) -> Awaitable[T]:
+        """Run a decode step on the compute thread: in order, or between
+        two layers of a prefill that has had its share (``give_way``).
+        Queued when called."""
+        return self.steps.run(fn, *args)
+
+    def give_way(self) -> None:
+        """A prefill between two layers, on the compute thread: run the
+        decode steps waiting for the thread if they are due."""
+        self.steps.give_way()
 
     def _learn_compute_clock(self) -> None:
         self._compute_clock = time.pthread_getcpuclockid(threading.get_ident())

@@ -61,6 +61,8 @@ class DecodeWorker:
     async def compute(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
+    compute_step = compute
+
 
 @pytest.fixture
 async def decode_node(tiny_weights):

@@ -55,6 +55,9 @@ class TinyWorker:
             self.record(args[0])
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
+    async def compute_step(self, fn, *args):
+        return await self.compute(fn, *args)
+
 
 @pytest.fixture
 async def make_batcher(tiny_weights):

@@ -13,6 +13,7 @@ request, no shard, no transfer.  The shard's own counters and
 from __future__ import annotations
 
 import asyncio
+import threading
 import contextlib
 import time
 from dataclasses import dataclass
@@ -214,6 +215,49 @@ def record_chunks(job: PrefillJob, order: list[str]) -> None:
 
 
 # ---- one job ------------------------------------------------------------------------
+
+async def test_a_decode_step_waiting_runs_between_two_layers_of_a_chunk(
+        open_worker, decode, tiny_weights):
+    """A colocated node's decode step does not wait for the chunk that holds
+    the thread: the chunk gives way to it at its next layer (the node's
+    StepQueue; no step ran before, so at once).  The prompt's result and
+    its streamed KV do not change."""
+    worker = await open_worker()
+    loop = asyncio.get_running_loop()
+    order: list[str] = []
+    queued: list[asyncio.Future] = []
+
+    def on_layer(i: int) -> None:    # on the compute thread, layer 0 of chunk 1
+        if i == 0:
+            listed = threading.Event()
+
+            def submit() -> None:
+                queued.append(worker.compute_step(order.append, "decode step"))
+                listed.set()
+            loop.call_soon_threadsafe(submit)
+            assert listed.wait(10)
+    spy_on_compute(worker, on_layer=on_layer)
+    grant = decode.reserve(len(PROMPT_A) + GREEDY.max_tokens)
+    job = PrefillJob(spec_for(worker, "req-a", PROMPT_A, grant), worker, CHUNK,
+                     fetch_timeout_s=5.0)
+    job_hook = job.layer_hook
+
+    def recording_hook(loop_, abort_on_cancel=True):
+        inner = job_hook(loop_, abort_on_cancel)
+
+        def record(start: int, end: int, layer: int) -> None:
+            order.append(f"[{start}, {end}) layer {layer}")
+            inner(start, end, layer)
+        return record
+    job.layer_hook = recording_hook
+    reply = await job.run()
+    await asyncio.gather(*queued)
+    assert order[:3] == ["[0, 16) layer 0", "decode step", "[0, 16) layer 1"]
+    assert worker.steps.between_layers == 1
+    ref = reference(tiny_weights, PROMPT_A)
+    assert reply.first_token == ref.token
+    decode.assert_kv_landed(grant, PROMPT_A, ref)
+
 
 async def test_compute_queued_meanwhile_runs_between_chunks_not_after_the_prompt(
         open_worker, decode, tiny_weights):

@@ -114,3 +114,21 @@ def test_the_tbt_ratio_learns_the_step_not_prefills_that_came_later():
                              [STEP] + [STEP + 0.128 / 5] * 4)
     assert s.residual_stats(10.0)["tbt_log_ratio"]["c0/0"].samples == 10
     assert s.tbt_ratio("c0", 10.0, level=0) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_a_chunk_gives_way_after_the_step_ratio_of_the_models_step():
+    # Chunks of 128 tokens (0.128 s at 1 ms a token) that give way to a
+    # waiting step after 2 steps' time; the model's step is 0.016 s.
+    s = Scheduler(SchedulerConfig(policy="load_balance", kv_bytes_per_token=1000,
+                                  queue_from_bookings=False, per_node_prefill_fit=False),
+                  PolynomialPrefillEstimator({"n": PER_TOKEN}), TransferEstimator(1e9),
+                  DecodeEstimator(STEP, 0.0, 0.0))
+    s.add_prefill_node("c0", interleave_tokens=128, interleave_step_ratio=2.0)
+    s.add_decode_node("c0", page_budget=10_000, page_tokens=BS)
+    assert s.chunk_s("c0") == pytest.approx(0.128)           # no step: the whole chunk
+    assert s.chunk_s("c0", 0.016) == pytest.approx(0.032)
+    assert s.chunk_s("c0", 0.100) == pytest.approx(0.128)    # never more than the chunk
+    s.schedule(req("a", 100), now=0.0)                       # "a" decodes on c0
+    chunk, step = s.interleave("c0")
+    assert chunk == pytest.approx(0.032)
+    assert s.prefill_share("c0") == pytest.approx(0.032 / (0.032 + step))

@@ -782,6 +782,9 @@ class NodeCapacity(Message):
     # run (WorkerNode.interleave_tokens): each decode step then waits for
     # one such chunk, and each chunk for one step.
     interleave_tokens: int | None = reported(integer(1))
+    # ... and a chunk gives way to waiting decode steps at a layer once it
+    # has held the thread this many steps' time (WorkerNode.yield_to_steps).
+    interleave_step_ratio: float | None = reported(number)
     # A prefill or colocated node holding every layer: its measured prefill time.
     prefill_speed: PrefillSpeed | None = reported(message(PrefillSpeed))
 

@@ -8,6 +8,7 @@ imports a role (layers point one way).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 ROLES = ("conductor", "prefill", "decode", "colocated")
@@ -184,6 +185,13 @@ class PrefillSection:
     # a decode step waits at most that long for a chunk, and the longer the
     # chunk the more of the node's time prefill gets.  0 = the fewest blocks.
     interleave_tbt_share: float = 0.5
+    # While decode steps wait on the compute thread, a prefill chunk gives
+    # way to them at its next layer once it has held the thread this many
+    # decode steps' time (the node's latest step) since the last step ran:
+    # a token waits for about (1 + ratio) steps, not for a whole chunk,
+    # and the prefill keeps ratio / (1 + ratio) of the thread.  0 = decode
+    # steps wait for the chunk to end.
+    interleave_step_ratio: float = 2.0
     # Give up on a peer prefix fetch after this long and recompute instead.
     fetch_timeout_s: float = 10.0
     # Chunked Pipeline Parallelism: this node is stage `cpp_stage` of the
@@ -214,6 +222,8 @@ class PrefillSection:
             raise ValueError("prefill.interleave_overhead must be in [0, 1)")
         if not 0 <= self.interleave_tbt_share < 1:
             raise ValueError("prefill.interleave_tbt_share must be in [0, 1)")
+        if not 0 <= self.interleave_step_ratio < math.inf:
+            raise ValueError("prefill.interleave_step_ratio must be a finite number >= 0")
         if self.cpp_stages < 1 or not 0 <= self.cpp_stage < self.cpp_stages:
             raise ValueError("prefill.cpp_stage must be in [0, prefill.cpp_stages)")
         if (self.cpp_stages > 1) != bool(self.cpp_group):

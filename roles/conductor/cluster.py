@@ -152,7 +152,9 @@ class ClusterView:
                     self._measured_prior(node, cap.prefill_speed.coeffs())
                 sched.add_prefill_node(node, cache_capacity_blocks=cap.pages or 0,
                                        yields_to=tuple(cap.yields_to or ()),
-                                       interleave_tokens=cap.interleave_tokens or 0)
+                                       interleave_tokens=cap.interleave_tokens or 0,
+                                       interleave_step_ratio=max(
+                                           0.0, cap.interleave_step_ratio or 0.0))
             if record.role in ("decode", "colocated"):
                 sched.add_decode_node(node, page_budget=cap.pages or 0, page_tokens=block_size)
         elif event in ("left", "dead"):

@@ -271,7 +271,7 @@ class DecodeBatcher:
                 # The step's inputs are referenced by the step only: a mirror
                 # dropped during it is freed when it ends, before the next
                 # step's mirrors are allocated.
-                logits = await self.worker.compute(
+                logits = await self.worker.compute_step(
                     self.worker.runner.decode_step,
                     [DecodeSeq(s.tokens[-1], s.position, s.pages, s.mirror) for s in batch])
             finally:

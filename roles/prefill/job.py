@@ -240,6 +240,9 @@ class PrefillJob:
             loop.call_soon_threadsafe(self.send_blocks, table, start // bs, -(-end // bs),
                                       (layer, layer + 1))
             self.stream_log.append((end, layer, time.perf_counter()))
+            # A colocated node's decode steps waiting for the thread run
+            # here once this prefill has had its share of it.
+            self.worker.give_way()
         return hook
 
     async def finish(self, logits: Any, t_compute: float, compute_s: float) -> PrefillReply:
@@ -325,13 +328,16 @@ class PrefillJob:
     def _prefill_chunk(self, start: int, end: int, hook) -> Any:
         """Tokens [start, end) through every layer; the logits of the last one.
         Runs on the compute thread, which adds its own time to
-        ``chunk_compute_s`` (one compute thread: no two chunks at once)."""
+        ``chunk_compute_s`` (one compute thread: no two chunks at once),
+        less the decode steps it gave way to between its layers."""
         t0 = time.perf_counter()
+        steps_s = self.worker.steps.between_layers_s
         try:
             return self.worker.runner.prefill_stage(self.spec.token_ids[start:end], self.table,
                                                     start, layer_hook=hook)
         finally:
-            self.chunk_compute_s += time.perf_counter() - t0
+            self.chunk_compute_s += time.perf_counter() - t0 \
+                - (self.worker.steps.between_layers_s - steps_s)
 
     def publish_new_blocks(self, table: list[int], first_new: int) -> list[int]:
         """Keep blocks [first_new, ...) of ``table`` in the local shard under

@@ -265,6 +265,7 @@ class PrefillService:
                     requests, layer_hook=lambda i, start, end, layer: hooks[i](start, end, layer))
 
             t_compute = time.perf_counter()
+            steps_s = self.worker.steps.between_layers_s
             cpu0 = self.worker.compute_cpu_s()
             for job in jobs:
                 job.cpu_at_start = cpu0
@@ -274,7 +275,9 @@ class PrefillService:
                 for item in ready:
                     self._failed(item, exc)
                 return
-            compute_s = time.perf_counter() - t_compute
+            # The pass's own time: less the decode steps it gave way to.
+            stepped_s = self.worker.steps.between_layers_s - steps_s
+            compute_s = time.perf_counter() - t_compute - stepped_s
             compute_cpu_s = self.worker.compute_cpu_s() - cpu0
             self.batches += 1
             self.batched_requests += len(ready)

@@ -56,7 +56,7 @@ class DecodePricing(NodeBookings):
         the first queue / chunk intervals (at most all of them) each hold a
         chunk.  0 on a node that does not prefill."""
         p = self.prefill.get(node)
-        chunk = self.chunk_s(node)
+        chunk = self.chunk_s(node, step_s)
         if p is None or not p.alive or chunk <= 0:
             return 0.0
         share = chunk / (chunk + step_s) if step_s > 0 else 1.0

@@ -35,14 +35,16 @@ class NodeBookings(YieldingPrefill):
 
     # ---- membership ---------------------------------------------------
     def add_prefill_node(self, node: str, cache_capacity_blocks: int = 0,
-                         yields_to: tuple[str, ...] = (), interleave_tokens: int = 0) -> None:
+                         yields_to: tuple[str, ...] = (), interleave_tokens: int = 0,
+                         interleave_step_ratio: float = 0.0) -> None:
         """``yields_to``: decode nodes whose cores it borrows at idle
         priority (it computes only while they leave one idle).
-        ``interleave_tokens``: a colocated node's prefill chunk while it
-        decodes (see ``interleave``)."""
+        ``interleave_*``: a colocated node's prefill chunks while it decodes
+        (see ``chunk_s``)."""
         self.prefill[node] = PrefillNodeState(node, cache_capacity_blocks=cache_capacity_blocks,
                                               yields_to=tuple(yields_to),
-                                              interleave_tokens=interleave_tokens)
+                                              interleave_tokens=interleave_tokens,
+                                              interleave_step_ratio=interleave_step_ratio)
         self._outstanding.setdefault(node, 0)
         if self.config.per_node_prefill_fit and node not in self.node_estimators:
             # A node that comes back keeps what it had learned of itself.
@@ -91,23 +93,32 @@ class NodeBookings(YieldingPrefill):
     def resync(self, node: str, keys: Iterable[int], next_seq: int | None = None) -> None:
         self.index.resync(node, keys, next_seq)
 
-    def chunk_s(self, node: str) -> float:
-        """Seconds of one prefill chunk of a colocated node while it decodes
-        (its ``interleave_tokens``); 0 for a node that is not colocated."""
+    def chunk_s(self, node: str, step_s: float | None = None) -> float:
+        """Seconds a colocated node's prefill holds its compute thread
+        between two decode steps of ``step_s`` seconds: its chunk of
+        ``interleave_tokens``, or, where it gives way to waiting steps
+        (``interleave_step_ratio``, WorkerNode.yield_to_steps), that many
+        steps' time if less; the whole chunk without a step.  0 for a node
+        that is not colocated."""
         p = self.prefill.get(node)
         if p is None or not p.interleave_tokens:
             return 0.0
-        return max(0.0, self.estimator_for(node).seconds(p.interleave_tokens, 0))
+        chunk = max(0.0, self.estimator_for(node).seconds(p.interleave_tokens, 0))
+        if not step_s or step_s <= 0 or p.interleave_step_ratio <= 0:
+            return chunk
+        return min(chunk, p.interleave_step_ratio * step_s)
 
     def interleave(self, node: str) -> tuple[float, float]:
         """A colocated node that is decoding alternates one prefill chunk and
         one decode step on its compute thread: (the chunk's seconds, the
         step's); (0, 0) when ``node`` is not colocated or not decoding."""
         d = self.decode.get(node)
-        chunk = self.chunk_s(node)
-        if d is None or chunk <= 0 or d.batch_size <= 0:
+        if d is None or d.batch_size <= 0 or self.chunk_s(node) <= 0:
             return 0.0, 0.0
-        return chunk, self.step_seconds(node)
+        # The chunk is sized by the step's compute (the model's, for the
+        # running batch), not by the reported spacing, which holds chunks.
+        compute_s = self.decode_est.seconds(d.batch_size, d.context_tokens)
+        return self.chunk_s(node, compute_s), self.step_seconds(node)
 
     def prefill_share(self, node: str) -> float:
         """The share of wall time a prefill gets on ``node``: 1, or on a

@@ -134,10 +134,13 @@ class PrefillNodeState:
     # computes only while they leave a core idle (roles/scheduling/borrowed.py).
     # Its estimates, queue and reports are then in work seconds.
     yields_to: tuple[str, ...] = ()
-    # A colocated node (also a decode node): the tokens of a prefill chunk
-    # while decode sequences run there, a step between two chunks; 0 = not
-    # colocated, or chunks of unknown size.
+    # A colocated node (also a decode node): the most tokens of a prefill
+    # chunk while decode sequences run there, a step between two chunks; 0 =
+    # not colocated, or chunks of unknown size.
     interleave_tokens: int = 0
+    # How many decode steps' time a chunk holds the thread before it gives
+    # way to a waiting step (0: the whole chunk; see NodeBookings.chunk_s).
+    interleave_step_ratio: float = 0.0
     # Measured / estimated time of its latest prefills (oldest first).
     late_ratios: deque[float] = field(default_factory=lambda: deque(maxlen=LATE_RATIOS_KEPT))
 

@@ -20,6 +20,10 @@ log = logging.getLogger(__name__)
 EpKey = tuple[str, Path, int]  # (segment, path, connection index)
 
 
+
+class _ConnectAbandoned(Exception):
+    """A shared connect whose requester was cancelled: a waiter connects anew."""
+
 class Connections:
     """Up to ``connections_per_peer`` endpoints per (segment, path), in a
     SIEVE pool bounded by ``max_endpoints`` (evicted ones retire: they close
@@ -113,7 +117,11 @@ class Connections:
         descriptor share one connect."""
         pending = self._connecting.get(key)
         if pending is not None:
-            return await asyncio.shield(pending[1])
+            try:
+                return await asyncio.shield(pending[1])
+            except _ConnectAbandoned:
+                # Its requester was cancelled, not this one: connect anew.
+                return await self._connect(key, desc, path)
         assert self._loop is not None, "connections not started"
         fut = self._loop.create_future()
         self._connecting[key] = (desc, fut)
@@ -131,6 +139,12 @@ class Connections:
             self.pool.put(key, ep)
             fut.set_result(ep)
             return ep
+        except asyncio.CancelledError:
+            # The requester that opened the connect was cancelled (its
+            # deadline, its caller): the requests sharing it were not.
+            fut.set_exception(_ConnectAbandoned(f"connect to {desc.name!r} abandoned"))
+            fut.exception()
+            raise
         except BaseException as e:
             fut.set_exception(e)
             fut.exception()  # mark retrieved; waiters re-raise it

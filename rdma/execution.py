@@ -137,6 +137,11 @@ class RequestRunner:
             if first is None:
                 raise
             raise first from None
+        # A slice task that ended cancelled (not by us) ends the group
+        # without an error: COMPLETED only when every byte was acknowledged.
+        if st.transferred < req.length:
+            raise RequestFailed(f"{req.length - st.transferred} of {req.length} bytes were not "
+                                f"acknowledged (a slice was cancelled)")
 
     async def _run_slice(self, st: RequestState, desc: SegmentDescriptor, local: Region, s: slicing.Slice,
                          primary: list[Path], fallback: list[Path]) -> None:

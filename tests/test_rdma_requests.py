@@ -236,6 +236,61 @@ async def test_cancelled_transfer_leaves_no_batch(how):
         peer.close()
 
 
+async def test_a_cancelled_requester_does_not_fail_the_requests_sharing_its_connect():
+    """Two transfers wait on one connect to B; the one that opened it is
+    cancelled while it is still connecting.  The other was not cancelled:
+    it connects anew and completes, rather than ending "cancelled"."""
+    async with pair(request_timeout_s=10) as (a, _b, src, dst):
+        conns = a._connections
+        real = conns._new_endpoint
+        opened = asyncio.Event()
+        gate = asyncio.Event()
+
+        def gated(desc, path):
+            ep = real(desc, path)
+            if not opened.is_set():   # only the first connect hangs
+                opened.set()
+                connect = ep.connect
+
+                async def slow_connect():
+                    await gate.wait()
+                    await connect()
+                ep.connect = slow_connect
+            return ep
+
+        conns._new_endpoint = gated
+        first = asyncio.create_task(a.transfer([WRITE_ALL]))
+        await asyncio.wait_for(opened.wait(), 5)
+        second = asyncio.create_task(a.transfer([WRITE_ALL]))
+        await asyncio.sleep(0.05)     # its slices now wait on the first's connect
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        gate.set()
+        await asyncio.wait_for(second, 10)
+        assert dst == src
+
+
+async def test_a_slice_that_ends_cancelled_fails_the_request_not_completes_it(monkeypatch):
+    """A slice whose post raised CancelledError without the request being
+    cancelled (a shared wait cancelled under it) ends its task group with no
+    error: the request must still not report COMPLETED with bytes missing."""
+    async with pair(request_timeout_s=5) as (a, _b, _src, dst):
+        runner = a._runner
+        real = runner._post
+        hit = {"left": 1}
+
+        async def post(st, desc, local, s, path):
+            if hit["left"]:
+                hit["left"] -= 1
+                raise asyncio.CancelledError()
+            return await real(st, desc, local, s, path)
+
+        monkeypatch.setattr(runner, "_post", post)
+        st = await run_one(a, WRITE_ALL)
+        assert st.state == TransferState.FAILED and "not acknowledged" in st.reason, st
+
+
 # -- bounded tables ---------------------------------------------------------------
 
 async def test_in_flight_counts_do_not_outlive_the_traffic():

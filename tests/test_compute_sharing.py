@@ -44,15 +44,13 @@ async def test_a_waiting_step_runs_at_the_next_layer_once_the_prefill_has_had_it
     clock, pool, ran = Clock(), BusyPool(), []
     q = StepQueue(pool, ratio=2.0, clock=clock)
     # No step ran for a while: the first one runs at the first layer boundary.
-    first = asyncio.ensure_future(q.run(timed_step(clock, 0.010, ran, "s1")))
-    await asyncio.sleep(0)
+    first = q.run(timed_step(clock, 0.010, ran, "s1"))
     q.give_way()
     assert ran == ["s1"] and await first == "s1"
     assert q.last_step_s == pytest.approx(0.010) and q.between_layers == 1
     # It took 10 ms and ended at 100.010: the prefill now keeps the thread
     # for 2 x 10 ms, until 100.030.
-    second = asyncio.ensure_future(q.run(timed_step(clock, 0.010, ran, "s2")))
-    await asyncio.sleep(0)
+    second = q.run(timed_step(clock, 0.010, ran, "s2"))
     clock.t = 100.029
     q.give_way()
     assert ran == ["s1"] and not second.done()
@@ -68,8 +66,7 @@ async def test_a_waiting_step_runs_at_the_next_layer_once_the_prefill_has_had_it
 async def test_with_a_ratio_of_zero_a_step_waits_for_the_chunk():
     clock, pool, ran = Clock(), BusyPool(), []
     q = StepQueue(pool, ratio=0.0, clock=clock)
-    step = asyncio.ensure_future(q.run(timed_step(clock, 0.010, ran, "s1")))
-    await asyncio.sleep(0)
+    step = q.run(timed_step(clock, 0.010, ran, "s1"))
     q.give_way()
     assert ran == [] and not step.done()
     (fn, args), = pool.submitted      # the chunk ended: the pool runs it
@@ -83,8 +80,7 @@ async def test_a_failing_step_fails_its_caller_not_the_prefill():
 
     def broken():
         raise RuntimeError("step failed")
-    step = asyncio.ensure_future(q.run(broken))
-    await asyncio.sleep(0)
+    step = q.run(broken)
     q.give_way()                       # the prefill goes on
     with pytest.raises(RuntimeError, match="step failed"):
         await step
@@ -93,8 +89,7 @@ async def test_a_failing_step_fails_its_caller_not_the_prefill():
 async def test_a_step_cancelled_by_its_caller_still_runs_once_and_harms_nothing():
     clock, pool, ran = Clock(), BusyPool(), []
     q = StepQueue(pool, ratio=2.0, clock=clock)
-    step = asyncio.ensure_future(q.run(timed_step(clock, 0.010, ran, "s1")))
-    await asyncio.sleep(0)
+    step = q.run(timed_step(clock, 0.010, ran, "s1"))
     step.cancel()
     await asyncio.sleep(0)
     q.give_way()

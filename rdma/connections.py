@@ -20,9 +20,9 @@ log = logging.getLogger(__name__)
 EpKey = tuple[str, Path, int]  # (segment, path, connection index)
 
 
-
 class _ConnectAbandoned(Exception):
     """A shared connect whose requester was cancelled: a waiter connects anew."""
+
 
 class Connections:
     """Up to ``connections_per_peer`` endpoints per (segment, path), in a

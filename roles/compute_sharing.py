@@ -83,10 +83,9 @@ class StepQueue:
                 if not self._waiting:
                     return
                 step = self._waiting[0]
-            t0 = self.clock()
             if self._run(step):
                 self.between_layers += 1
-                self.between_layers_s += self.clock() - t0
+                self.between_layers_s += self.last_step_s
 
     def _run(self, step: _Step) -> bool:
         """Run ``step`` unless already run; on the compute thread."""

@@ -783,7 +783,7 @@ class NodeCapacity(Message):
     # one such chunk, and each chunk for one step.
     interleave_tokens: int | None = reported(integer(1))
     # ... and a chunk gives way to waiting decode steps at a layer once it
-    # has held the thread this many steps' time (WorkerNode.yield_to_steps).
+    # has held the thread this many steps' time (WorkerNode.give_way).
     interleave_step_ratio: float | None = reported(number)
     # A prefill or colocated node holding every layer: its measured prefill time.
     prefill_speed: PrefillSpeed | None = reported(message(PrefillSpeed))

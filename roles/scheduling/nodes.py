@@ -97,7 +97,7 @@ class NodeBookings(YieldingPrefill):
         """Seconds a colocated node's prefill holds its compute thread
         between two decode steps of ``step_s`` seconds: its chunk of
         ``interleave_tokens``, or, where it gives way to waiting steps
-        (``interleave_step_ratio``, WorkerNode.yield_to_steps), that many
+        (``interleave_step_ratio``, WorkerNode.give_way), that many
         steps' time if less; the whole chunk without a step.  0 for a node
         that is not colocated."""
         p = self.prefill.get(node)
@@ -112,13 +112,13 @@ class NodeBookings(YieldingPrefill):
         """A colocated node that is decoding alternates one prefill chunk and
         one decode step on its compute thread: (the chunk's seconds, the
         step's); (0, 0) when ``node`` is not colocated or not decoding."""
-        d = self.decode.get(node)
-        if d is None or d.batch_size <= 0 or self.chunk_s(node) <= 0:
+        d, p = self.decode.get(node), self.prefill.get(node)
+        if d is None or p is None or not p.interleave_tokens or d.batch_size <= 0:
             return 0.0, 0.0
         # The chunk is sized by the step's compute (the model's, for the
         # running batch), not by the reported spacing, which holds chunks.
-        compute_s = self.decode_est.seconds(d.batch_size, d.context_tokens)
-        return self.chunk_s(node, compute_s), self.step_seconds(node)
+        chunk = self.chunk_s(node, self.decode_est.seconds(d.batch_size, d.context_tokens))
+        return (chunk, self.step_seconds(node)) if chunk > 0 else (0.0, 0.0)
 
     def prefill_share(self, node: str) -> float:
         """The share of wall time a prefill gets on ``node``: 1, or on a

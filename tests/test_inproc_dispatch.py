@@ -300,6 +300,7 @@ async def test_events_in_order_and_every_node_gets_the_right_body(conductor_for)
     # mean of the others as a log-ratio over it.
     times = trace.token_times
     first = times[1] - times[0]
+    assert trace.handoff_s == first and trace.summary()["handoff_s"] == round(first, 6)
     steps_mean = (times[-1] - times[1]) / (len(times) - 2)
     stats = c.sched.residual_stats(times[-1])
     assert stats["tbt_log_ratio"]["decode-0"].samples == 1 and tbt_model > 0

@@ -86,6 +86,9 @@ class RequestTrace:
     # joins) and the measured one: mean interval between decoded tokens.
     predicted_tbt_s: float = 0.0
     tbt_s: float = 0.0
+    # The first token interval, the hand-off from prefill to decode (a
+    # short reply's TBT is mostly this); 0 with fewer than two tokens.
+    handoff_s: float = 0.0
     # The predicted TTFT's parts (the rest of it is the median residual).
     predicted_queue_s: float = 0.0
     predicted_prefill_s: float = 0.0
@@ -467,6 +470,7 @@ class Dispatcher:
             times = trace.token_times
             if len(times) > 1:
                 trace.tbt_s = (times[-1] - times[0]) / (len(times) - 1)
+                trace.handoff_s = times[1] - times[0]
             self.metrics.finished(trace)
             self._remember(trace)
             log.info("%s %s: prefill %s (cached %d of %d, %s), decode %s, TTFT %.3fs "

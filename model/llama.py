@@ -25,6 +25,10 @@ from model.weights import LayerWeights
 
 # Called once a layer's K/V of the tokens being computed is in the pages.
 KVWrittenHook = Callable[[int], None]
+# Called on the compute thread at points inside a layer where other work may
+# run on that thread (a colocated node's waiting decode steps) without
+# changing the layer's result.
+YieldPoint = Callable[[], None]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -143,7 +147,8 @@ def chunk_mask(n: int, start: int, dtype: torch.dtype,
 
 
 def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                    mask: torch.Tensor | None) -> torch.Tensor:
+                    mask: torch.Tensor | None,
+                    yield_point: YieldPoint | None = None) -> torch.Tensor:
     """Attention of a chunk's queries q [heads, n, hd] (positions [start,
     start + n)) over keys/values [kv_heads, start + n, hd]; [heads, n, hd].
 
@@ -154,9 +159,10 @@ def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     mask: the split computes only what is seen; its attention calls were
     10-25% faster on 1-3k-token contexts, about 10% of a 3k-token prefill;
     the same result to float rounding (1e-7).  In bfloat16/float16:
-    ``tiled_attention``, whose result does not depend on the chunking."""
+    ``tiled_attention``, whose result does not depend on the chunking (it
+    calls ``yield_point`` between two tiles)."""
     if q.dtype in REDUCED_PRECISION:
-        return tiled_attention(q, keys, values, start)
+        return tiled_attention(q, keys, values, start, yield_point)
     if start == 0:
         return F.scaled_dot_product_attention(q[None], keys[None], values[None],
                                               is_causal=True, enable_gqa=True)[0]
@@ -188,7 +194,7 @@ ATTENTION_TILE = 64
 
 
 def tiled_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    start: int) -> torch.Tensor:
+                    start: int, yield_point: YieldPoint | None = None) -> torch.Tensor:
     """Causal attention of q [heads, n, hd] (positions [start, start + n))
     over keys/values [kv_heads, >= start + n, hd], in tiles of
     ``ATTENTION_TILE`` query positions aligned to absolute positions.
@@ -202,7 +208,9 @@ def tiled_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     identical with and without cache reuse.  The scores are products in the
     inputs' dtype and the softmax accumulates in float32; bf16 matrix
     products use the CPU's native bf16 instructions, which the flash kernel
-    does not."""
+    does not.  ``yield_point`` is called between two tiles: what it runs
+    on this thread must not touch this request's pages (a tile's inputs are
+    its own copies and buffers)."""
     heads, n, hd = q.shape
     kv_heads = keys.shape[0]
     group = heads // kv_heads
@@ -224,7 +232,10 @@ def tiled_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     # and were faulted in again, kernel time that slowed every process.
     largest = kv_heads * group * min(tile, n) * padded
     score_buf, prob_buf = q.new_empty(largest), q.new_empty(largest)
-    for t in range(start // tile, (end - 1) // tile + 1):
+    first = start // tile
+    for t in range(first, (end - 1) // tile + 1):
+        if yield_point is not None and t > first:
+            yield_point()
         a, b = max(t * tile, start), min((t + 1) * tile, end)
         rows, seen = b - a, (t + 1) * tile
         size = kv_heads * group * rows * seen
@@ -266,13 +277,16 @@ def prefix_causal_mask(n: int, start: int, dtype: torch.dtype,
 def prefill_layer(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer: int,
                   kv_pages: torch.Tensor, block_table: torch.Tensor, start: int,
                   cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                  on_kv_written: KVWrittenHook | None) -> torch.Tensor:
+                  on_kv_written: KVWrittenHook | None,
+                  yield_point: YieldPoint | None = None) -> torch.Tensor:
     """One decoder layer over tokens [start, start + n) of one request.
 
     x: [n, hidden] hidden states of those tokens. KV of [0, start) must already
     be in the request's pages; this writes [start, start + n) and attends
     each new token to every position up to and including itself. mask:
-    ``chunk_mask(n, start)``.
+    ``chunk_mask(n, start)``.  ``yield_point``: called between attention
+    tiles and before the MLP, points where other work on this thread
+    changes nothing of this layer's result.
     """
     n = x.shape[0]
     end = start + n
@@ -283,8 +297,11 @@ def prefill_layer(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer: int,
     if on_kv_written is not None:
         on_kv_written(layer)
     keys, values = gather_kv(kv_pages, layer, block_table, end)
-    out = chunk_attention(q.transpose(0, 1), keys, values, start, mask)  # [heads, n, hd]
+    out = chunk_attention(q.transpose(0, 1), keys, values, start, mask,
+                          yield_point)  # [heads, n, hd]
     x = x + F.linear(out.transpose(0, 1).reshape(n, -1), w.o)
+    if yield_point is not None:
+        yield_point()
     return x + mlp(rms_norm(x, w.mlp_norm, c.rms_eps), w)
 
 
@@ -348,13 +365,14 @@ class VarlenSeq(NamedTuple):
 def prefill_layer_varlen(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer: int,
                          kv_pages: torch.Tensor, seqs: list[VarlenSeq], cos: torch.Tensor,
                          sin: torch.Tensor,
-                         on_kv_written: Callable[[int, int], None] | None) -> torch.Tensor:
+                         on_kv_written: Callable[[int, int], None] | None,
+                         yield_point: YieldPoint | None = None) -> torch.Tensor:
     """One decoder layer over several requests' tokens at once.
 
     The projections and the MLP run once over all rows (the batching win);
     KV writes and attention stay per request, each over its own pages.
     ``on_kv_written(seq_index, layer)`` fires once a request's KV of this
-    layer is in its pages.
+    layer is in its pages; ``yield_point`` as for ``prefill_layer``.
     """
     block_size = kv_pages.shape[3]
     q, k, v = _qkv(rms_norm(x, w.attn_norm, c.rms_eps), w, c, cos, sin)
@@ -367,7 +385,10 @@ def prefill_layer_varlen(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer
         if on_kv_written is not None:
             on_kv_written(i, layer)
         keys, values = gather_kv(kv_pages, layer, s.block_table, end)
-        out = chunk_attention(q[rows].transpose(0, 1), keys, values, s.start, s.mask)
+        out = chunk_attention(q[rows].transpose(0, 1), keys, values, s.start, s.mask,
+                              yield_point)
         outs.append(out.transpose(0, 1).reshape(s.n, -1))
     x = x + F.linear(torch.cat(outs), w.o)
+    if yield_point is not None:
+        yield_point()
     return x + mlp(rms_norm(x, w.mlp_norm, c.rms_eps), w)

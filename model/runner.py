@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from kvstore.layout import PageLayout
 from model.config import RuntimeConfig, page_layout
 from model.decode_kv import SeqKV
-from model.llama import (Rope, VarlenSeq, decode_layer, prefill_layer, prefill_layer_varlen,
-                         chunk_mask, rms_norm)
+from model.llama import (Rope, VarlenSeq, YieldPoint, decode_layer, prefill_layer,
+                         prefill_layer_varlen, chunk_mask, rms_norm)
 from model.weights import TORCH_DTYPES, ModelWeights, load_weights
 
 # layer_hook(chunk_start, chunk_end, layer): the KV of tokens [chunk_start,
@@ -132,7 +132,8 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, token_ids: Sequence[int], block_table: Sequence[int],
                 num_cached_tokens: int, *, chunk_size: int | None = None,
-                layer_hook: LayerHook | None = None) -> torch.Tensor:
+                layer_hook: LayerHook | None = None,
+                yield_point: YieldPoint | None = None) -> torch.Tensor:
         """Compute tokens [num_cached_tokens, len(token_ids)) of one request.
 
         KV of [0, num_cached_tokens) must already be in the pages of
@@ -140,6 +141,8 @@ class ModelRunner:
         written to their slots. With ``chunk_size``, the new tokens go through
         the model in chunks whose boundaries fall on multiples of chunk_size
         (page-aligned when chunk_size is a multiple of the block size).
+        ``yield_point`` is called inside each layer where other work on this
+        thread may run (``prefill_layer``).
         Returns float32 logits [vocab] of the last token.
         """
         n = len(token_ids)
@@ -157,13 +160,13 @@ class ModelRunner:
         self._need_all_layers("prefill")
         for start, end in chunk_bounds(num_cached_tokens, n, chunk_size or n):
             x = self._run_layers(F.embedding(tokens[start:end], self.weights.embed), table,
-                                 start, layer_hook)
+                                 start, layer_hook, yield_point)
         return self._logits(x[-1])
 
     @torch.inference_mode()
     def prefill_batch(self, requests: Sequence[tuple[Sequence[int], Sequence[int], int]], *,
-                      layer_hook: Callable[[int, int, int, int], None] | None = None
-                      ) -> list[torch.Tensor]:
+                      layer_hook: Callable[[int, int, int, int], None] | None = None,
+                      yield_point: YieldPoint | None = None) -> list[torch.Tensor]:
         """Several requests' uncached suffixes in one forward pass.
 
         requests: (token_ids, block_table, num_cached_tokens) each, as for
@@ -171,7 +174,8 @@ class ModelRunner:
         The projections and MLP run once over all new tokens; attention runs
         per request over its own pages, so every result equals ``prefill`` of
         that request alone.  ``layer_hook(i, start, end, layer)`` fires when
-        request i's KV of tokens [start, end) of ``layer`` is in its pages.
+        request i's KV of tokens [start, end) of ``layer`` is in its pages;
+        ``yield_point`` as for ``prefill``.
         Returns float32 logits [vocab] of each request's last token.
         """
         self._need_all_layers("prefill_batch")
@@ -201,14 +205,15 @@ class ModelRunner:
             layer_hook(i, s.start, s.start + s.n, layer)
         for i, lw in enumerate(w.layers):
             x = prefill_layer_varlen(x, lw, c, w.first_layer + i, self.kv_pages, seqs, cos, sin,
-                                     hook if layer_hook is not None else None)
+                                     hook if layer_hook is not None else None, yield_point)
         last_rows = torch.tensor([s.offset + s.n - 1 for s in seqs], device=self.device)
         logits = self._logits(x[last_rows])
         return list(logits)
 
     @torch.inference_mode()
     def prefill_stage(self, inputs: torch.Tensor | Sequence[int], block_table: Sequence[int],
-                      start: int, *, layer_hook: LayerHook | None = None) -> torch.Tensor:
+                      start: int, *, layer_hook: LayerHook | None = None,
+                      yield_point: YieldPoint | None = None) -> torch.Tensor:
         """One chunk through this runner's layers only: a Chunked Pipeline
         Parallelism stage (weights loaded for a layer range).
 
@@ -233,7 +238,8 @@ class ModelRunner:
             x = inputs.to(device=self.device, dtype=w.dtype)
         if n == 0 or start < 0 or start + n > self.config.max_position:
             raise ValueError(f"chunk [{start}, {start + n}) is empty or out of range")
-        x = self._run_layers(x, self._block_table(block_table, start + n), start, layer_hook)
+        x = self._run_layers(x, self._block_table(block_table, start + n), start, layer_hook,
+                             yield_point)
         return self._logits(x[-1]) if w.is_last_stage else x
 
     def _need_all_layers(self, what: str) -> None:
@@ -243,7 +249,8 @@ class ModelRunner:
                              f"[{w.first_layer}, {w.end_layer}): use prefill_stage")
 
     def _run_layers(self, x: torch.Tensor, table: torch.Tensor, start: int,
-                    layer_hook: LayerHook | None) -> torch.Tensor:
+                    layer_hook: LayerHook | None,
+                    yield_point: YieldPoint | None = None) -> torch.Tensor:
         """This runner's layers over hidden states x of tokens [start, start + n)."""
         w, c = self.weights, self.config
         end = start + x.shape[0]
@@ -255,7 +262,7 @@ class ModelRunner:
         mask = chunk_mask(end - start, start, w.dtype, self.device)
         for i, lw in enumerate(w.layers):
             x = prefill_layer(x, lw, c, w.first_layer + i - base, self.kv_pages, table, start,
-                              cos, sin, mask, hook)
+                              cos, sin, mask, hook, yield_point)
         return x
 
     @torch.inference_mode()

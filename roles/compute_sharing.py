@@ -5,17 +5,24 @@ step submitted while a prefill chunk runs would wait for the whole chunk:
 on a machine whose cores are shared with other processes a chunk of a
 thousand tokens takes a tenth of a second, and every running sequence's
 next token waits that long.  A step submitted through ``StepQueue.run`` is
-queued in the pool as before and also listed here; the prefill's per-layer
-hook, on the compute thread, calls ``give_way()``, which runs the listed
-steps right there, between two layers of the chunk, once the prefill has
-held the thread ``ratio`` times the latest step's time since the last step
-ended.  A token then waits for about ``1 + ratio`` steps, and the prefill
-keeps ``ratio / (1 + ratio)`` of the thread while steps keep coming.
+queued in the pool as before and also listed here; the prefill, on the
+compute thread, calls ``give_way()`` at its yield points (each layer's
+boundary, between two attention tiles, before each layer's MLP: a few
+milliseconds apart however long the chunk), which runs the listed steps
+right there
+- at once while the prefill is on time: the conductor predicted its first
+  token by a time (``PrefillRequest.budget``), and the prefill's remaining
+  compute plus a step still ends before it.  Decode steps spend the slack
+  of a prediction, not the time it promised;
+- otherwise once the prefill has held the thread ``ratio`` times the
+  latest step's time since the last step ended: a token then waits for
+  about ``1 + ratio`` steps, and a late prefill keeps ``ratio / (1 +
+  ratio)`` of the thread while steps keep coming.
 
 Invariant: each step runs exactly once, on the compute thread: whichever of
-the pool and a layer boundary claims it first (under the lock) runs it; the
+the pool and a yield point claims it first (under the lock) runs it; the
 other finds it claimed.  A step touches only its own sequences' pages and
-fresh tensors, and the prefill's state between two layers is its own local
+fresh tensors, and the prefill's state at a yield point is its own local
 tensors, so running one inside the other changes neither's result.
 """
 
@@ -54,14 +61,14 @@ class StepQueue:
         # The latest step's own seconds, and when it ended (perf_counter).
         self.last_step_s = 0.0
         self._last_end = 0.0
-        # Steps run at a layer boundary of a prefill rather than after it,
+        # Steps run at a yield point of a prefill rather than after it,
         # and their seconds: a prefill's own compute time leaves them out.
         self.between_layers = 0
         self.between_layers_s = 0.0
 
     def run(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
         """fn(*args) on the compute thread: in pool order, or earlier at a
-        prefill's layer boundary (``give_way``).  Queued when called (on the
+        prefill's yield point (``give_way``).  Queued when called (on the
         event loop); the future has its result."""
         loop = asyncio.get_running_loop()
         step = _Step(fn, args, loop, loop.create_future())
@@ -70,13 +77,16 @@ class StepQueue:
         self.pool.submit(self._run, step)
         return step.future
 
-    def give_way(self) -> None:
-        """Called by a prefill between two layers, on the compute thread:
-        run the waiting steps if the prefill has had its share since the
-        last one (immediately when none ran for a while)."""
+    def give_way(self, on_time: Callable[[float], bool] | None = None) -> None:
+        """Called by a prefill at a yield point, on the compute thread: run
+        the waiting steps if ``on_time(step_s)`` (the prefill, taking one
+        more step of ``step_s`` seconds, still meets its predicted time) or
+        if it has had its share since the last one (immediately when none
+        ran for a while).  ``ratio`` 0 turns giving way off."""
         if not self._waiting or self.ratio <= 0:
             return
-        if self.clock() - self._last_end < self.ratio * self.last_step_s:
+        if self.clock() - self._last_end < self.ratio * self.last_step_s \
+                and not (on_time is not None and on_time(self.last_step_s)):
             return
         while self._waiting:
             with self._lock:

@@ -268,15 +268,16 @@ class WorkerNode:
         return await asyncio.get_running_loop().run_in_executor(self.compute_pool, fn, *args)
 
     def compute_step(self, fn: Callable[..., T], *args: Any) -> Awaitable[T]:
-        """Run a decode step on the compute thread: in order, or between
-        two layers of a prefill that has had its share (``give_way``).
+        """Run a decode step on the compute thread: in order, or earlier
+        at a yield point of a prefill that has had its share (``give_way``).
         Queued when called."""
         return self.steps.run(fn, *args)
 
-    def give_way(self) -> None:
-        """A prefill between two layers, on the compute thread: run the
-        decode steps waiting for the thread if they are due."""
-        self.steps.give_way()
+    def give_way(self, on_time: Callable[[float], bool] | None = None) -> None:
+        """A prefill at a yield point, on the compute thread: run the
+        decode steps waiting for the thread if they are due
+        (``StepQueue.give_way``)."""
+        self.steps.give_way(on_time)
 
     def _learn_compute_clock(self) -> None:
         self._compute_clock = time.pthread_getcpuclockid(threading.get_ident())

@@ -1,4 +1,4 @@
-"""Decode steps a prefill gives way to between two layers (roles/compute_sharing.py).
+"""Decode steps a prefill gives way to at its yield points (roles/compute_sharing.py).
 
 The clock is a counter the tests move by hand; a pool that never runs what
 it is given stands for a compute thread busy with a prefill, so a step runs
@@ -61,6 +61,33 @@ async def test_a_waiting_step_runs_at_the_next_layer_once_the_prefill_has_had_it
     for fn, args in pool.submitted:
         fn(*args)
     assert ran == ["s1", "s2"]
+
+
+async def test_a_prefill_on_time_gives_way_at_once_and_a_late_one_keeps_its_share():
+    """A prefill that, after one more step, still meets its predicted time
+    gives way at once (on_time is asked with the latest step's seconds);
+    one that would not keeps the thread for ratio x the latest step."""
+    clock, pool, ran = Clock(), BusyPool(), []
+    q = StepQueue(pool, ratio=2.0, clock=clock)
+    first = q.run(timed_step(clock, 0.010, ran, "s1"))
+    q.give_way()
+    assert await first == "s1"                 # ended at 100.010, took 10 ms
+    asked = []
+
+    def on_time(step_s: float) -> bool:
+        asked.append(step_s)
+        return answer
+    second = q.run(timed_step(clock, 0.010, ran, "s2"))
+    clock.t = 100.015                          # within the prefill's 20 ms share
+    answer = False
+    q.give_way(on_time)
+    assert ran == ["s1"] and asked == [pytest.approx(0.010)]
+    answer = True
+    q.give_way(on_time)
+    assert ran == ["s1", "s2"] and await second == "s2"
+    # Nothing waiting: on_time is not even asked.
+    q.give_way(on_time)
+    assert len(asked) == 2
 
 
 async def test_with_a_ratio_of_zero_a_step_waits_for_the_chunk():

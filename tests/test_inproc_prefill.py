@@ -259,6 +259,99 @@ async def test_a_decode_step_waiting_runs_between_two_layers_of_a_chunk(
     decode.assert_kv_landed(grant, PROMPT_A, ref)
 
 
+async def test_a_decode_step_listed_after_a_layer_boundary_runs_inside_that_layer(
+        open_worker, decode, tiny_weights):
+    """A step listed just after layer 0's boundary has given way does not
+    wait for layer 1's: the prefill yields inside the layer (before its
+    MLP) too.  The prompt's result and streamed KV do not change."""
+    worker = await open_worker()
+    loop = asyncio.get_running_loop()
+    order: list[str] = []
+    queued: list[asyncio.Future] = []
+    grant = decode.reserve(len(PROMPT_A) + GREEDY.max_tokens)
+    job = PrefillJob(spec_for(worker, "req-a", PROMPT_A, grant), worker, CHUNK,
+                     fetch_timeout_s=5.0)
+    job_hook = job.layer_hook
+
+    def recording_hook(loop_, abort_on_cancel=True):
+        inner = job_hook(loop_, abort_on_cancel)
+
+        def record(start: int, end: int, layer: int) -> None:
+            order.append(f"[{start}, {end}) layer {layer}")
+            inner(start, end, layer)         # gives way: nothing is waiting yet
+            if start == 0 and layer == 0:    # on the compute thread
+                listed = threading.Event()
+
+                def submit() -> None:
+                    queued.append(worker.compute_step(order.append, "decode step"))
+                    listed.set()
+                loop.call_soon_threadsafe(submit)
+                assert listed.wait(10)
+        return record
+    job.layer_hook = recording_hook
+    reply = await job.run()
+    await asyncio.gather(*queued)
+    assert order[:3] == ["[0, 16) layer 0", "decode step", "[0, 16) layer 1"]
+    assert worker.steps.between_layers == 1
+    ref = reference(tiny_weights, PROMPT_A)
+    assert reply.first_token == ref.token
+    decode.assert_kv_landed(grant, PROMPT_A, ref)
+
+
+@pytest.mark.parametrize("budget, early", [
+    (None, False),                                                    # no prediction
+    (PrefillBudget(prefill_s=0.001, reply_within_s=30.0), True),      # far ahead of it
+    (PrefillBudget(prefill_s=0.001, reply_within_s=0.0), False)])     # already late
+async def test_a_prefill_on_time_for_its_prediction_lets_steps_go_first(
+        open_worker, decode, tiny_weights, budget, early):
+    """A step that just ran held the thread 50 ms: by the ratio rule the
+    prefill keeps it for the next 100 ms, so a second step waits for the
+    chunk; a prefill still on time for the conductor's prediction lets the
+    second one run at its next yield point.  Results do not change."""
+    worker = await open_worker()
+    loop = asyncio.get_running_loop()
+    order: list[str] = []
+    queued: list[asyncio.Future] = []
+
+    def step(name: str) -> None:
+        time.sleep(0.05)
+        order.append(name)
+
+    def submit_and_wait(name: str) -> None:      # from the compute thread
+        listed = threading.Event()
+
+        def submit() -> None:
+            queued.append(worker.compute_step(step, name))
+            listed.set()
+        loop.call_soon_threadsafe(submit)
+        assert listed.wait(10)
+    grant = decode.reserve(len(PROMPT_A) + GREEDY.max_tokens)
+    job = PrefillJob(spec_for(worker, "req-a", PROMPT_A, grant, budget=budget), worker, CHUNK,
+                     fetch_timeout_s=5.0)
+    job_hook = job.layer_hook
+
+    def recording_hook(loop_, abort_on_cancel=True):
+        inner = job_hook(loop_, abort_on_cancel)
+
+        def record(start: int, end: int, layer: int) -> None:
+            order.append(f"[{start}, {end}) layer {layer}")
+            if start == 0 and layer == 0:
+                submit_and_wait("step 1")        # runs here: none ran for a while
+            inner(start, end, layer)
+            if start == 0 and layer == 0:
+                submit_and_wait("step 2")
+        return record
+    job.layer_hook = recording_hook
+    reply = await job.run()
+    await asyncio.gather(*queued)
+    assert order[:2] == ["[0, 16) layer 0", "step 1"]
+    assert (order[2] == "step 2") is early, order
+    assert worker.steps.between_layers == (2 if early else 1)
+    ref = reference(tiny_weights, PROMPT_A)
+    assert reply.first_token == ref.token
+    decode.assert_kv_landed(grant, PROMPT_A, ref)
+
+
 async def test_compute_queued_meanwhile_runs_between_chunks_not_after_the_prompt(
         open_worker, decode, tiny_weights):
     """A colocated node's decode step shares the one compute thread with
@@ -717,13 +810,13 @@ async def test_a_batched_pass_is_charged_once_to_its_requests(open_worker, decod
 
     real = worker.runner.prefill_batch
 
-    def prefill_batch(requests, layer_hook):
+    def prefill_batch(requests, layer_hook, yield_point=None):
         def hook(i, start, end, layer):
             if not seen:   # the first layer's KV is out: the pass is under way
                 seen.append((svc.load(), min(item.started_at for item in svc.running),
                              time.perf_counter()))
             layer_hook(i, start, end, layer)
-        return real(requests, layer_hook=hook)
+        return real(requests, layer_hook=hook, yield_point=yield_point)
     worker.runner.prefill_batch = prefill_batch
     prompts = {"req-1": tokens(20, seed=3), "req-2": tokens(40, seed=4)}
     grants = {rid: decode.reserve(len(p) + GREEDY.max_tokens) for rid, p in prompts.items()}

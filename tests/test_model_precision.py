@@ -134,6 +134,39 @@ def test_bfloat16_prefill_is_the_same_whole_chunked_or_after_a_cached_prefix():
         assert torch.equal(kv[:used - 1], whole_kv[:used - 1]), (chunk, cached)
 
 
+def test_a_prefill_yields_between_attention_tiles_and_before_the_mlp_changing_no_bit():
+    """The points where a colocated node's decode steps run inside a layer:
+    between two attention tiles and before the MLP.  Another request's
+    prefill run at each of them (other pages, same thread) leaves the
+    prompt's logits and KV bit for bit as computed without yielding."""
+    import random
+
+    import torch
+
+    from model.llama import ATTENTION_TILE
+
+    rng = random.Random(5)
+    prompt = [rng.randrange(256) for _ in range(150)]      # tiles [0,64) [64,128) [128,150)
+    other = [rng.randrange(256) for _ in range(40)]
+    ref_runner, ref_kv = _bf16_runner()
+    ref = ref_runner.prefill(prompt, list(range(10)), 0)
+    runner, kv = _bf16_runner()
+    yields: list[int] = []
+
+    def yield_point() -> None:
+        yields.append(len(yields))
+        runner.prefill(other, [20, 21, 22], 0)
+    got = runner.prefill(prompt, list(range(10)), 0, yield_point=yield_point)
+    tiles = -(-len(prompt) // ATTENTION_TILE)
+    assert len(yields) == runner.config.num_layers * ((tiles - 1) + 1)
+    assert torch.equal(got, ref)
+    assert torch.equal(kv[:9], ref_kv[:9])                 # every full page of the prompt
+    # A batched pass yields too: before each layer's MLP (one tile each here).
+    batch_yields: list[int] = []
+    runner.prefill_batch([(other, [20, 21, 22], 0)], yield_point=lambda: batch_yields.append(1))
+    assert len(batch_yields) == runner.config.num_layers
+
+
 def test_bfloat16_prefill_batch_equals_each_request_alone():
     """Several suffixes in one forward pass (the prefill node's batch), one
     of them after a cached prefix: each gets the bits it gets alone."""

@@ -186,11 +186,13 @@ class PrefillSection:
     # chunk the more of the node's time prefill gets.  0 = the fewest blocks.
     interleave_tbt_share: float = 0.5
     # While decode steps wait on the compute thread, a prefill chunk gives
-    # way to them at its next layer once it has held the thread this many
-    # decode steps' time (the node's latest step) since the last step ran:
-    # a token waits for about (1 + ratio) steps, not for a whole chunk,
-    # and the prefill keeps ratio / (1 + ratio) of the thread.  0 = decode
-    # steps wait for the chunk to end.
+    # way to them at its next yield point (a few ms apart): at once while
+    # the prefill is on time for the conductor's predicted TTFT, else once
+    # it has held the thread this many decode steps' time (the node's
+    # latest step) since the last step ran: a token then waits for about
+    # (1 + ratio) steps, not for a whole chunk, and a late prefill keeps
+    # ratio / (1 + ratio) of the thread.  0 = decode steps wait for the
+    # chunk to end.
     interleave_step_ratio: float = 2.0
     # Give up on a peer prefix fetch after this long and recompute instead.
     fetch_timeout_s: float = 10.0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Any
 
@@ -75,6 +76,20 @@ class PrefillJob:
         self.cpu_at_start: float | None = None
         # Seconds the compute thread spent on this job's chunks.
         self.chunk_compute_s = 0.0
+        # The conductor's prediction as this node can keep it: the first
+        # token's reply due by ``reply_due`` (perf_counter; inf: no
+        # prediction), after ``predicted_s`` of compute.  While the prefill
+        # is on time, decode steps sharing the thread run first (on_time).
+        budget = spec.budget
+        self.reply_due = math.inf if budget is None \
+            else time.perf_counter() + budget.reply_within_s
+        self.predicted_s = 0.0 if budget is None else budget.prefill_s
+        # Progress of the chunk on the thread: tokens through every layer,
+        # counted when a layer starts (the layer hook); when it started and
+        # the given-way steps' seconds then.
+        self._done_tokens = 0.0
+        self._chunk_t0 = 0.0
+        self._chunk_steps_s = 0.0
 
     # -- step 1 -------------------------------------------------------------
     async def load_prefix(self, result: PrefillReply,
@@ -234,16 +249,42 @@ class PrefillJob:
         thread and hands the KV send of that layer to the event loop."""
         table, bs = self.table, self.bs
 
+        layers = self.worker.model_config.num_layers
+
         def hook(start: int, end: int, layer: int) -> None:
             if self.cancelled and abort_on_cancel:
                 raise PrefillCancelled()
+            if self._chunk_t0:   # one of run()'s chunks: on_time reads its progress
+                self._done_tokens = start - self.cached + (end - start) * layer / layers
             loop.call_soon_threadsafe(self.send_blocks, table, start // bs, -(-end // bs),
                                       (layer, layer + 1))
             self.stream_log.append((end, layer, time.perf_counter()))
             # A colocated node's decode steps waiting for the thread run
-            # here once this prefill has had its share of it.
-            self.worker.give_way()
+            # here while this prefill is on time or once it has had its share.
+            self.worker.give_way(self.on_time)
         return hook
+
+    def on_time(self, step_s: float) -> bool:
+        """Whether this prefill, after one more decode step of ``step_s``,
+        still replies by its predicted time: its remaining compute is the
+        prediction less what it has computed, or what its own pace so far
+        makes of the tokens left, whichever is longer.  On the compute
+        thread, during one of ``run``'s chunks (False otherwise: a batched
+        pass does not track its jobs' progress)."""
+        if self.reply_due == math.inf or not self._chunk_t0:
+            return False
+        now = time.perf_counter()
+        own = self.chunk_compute_s + (now - self._chunk_t0) \
+            - (self.worker.steps.between_layers_s - self._chunk_steps_s)
+        left = max(0.0, self.predicted_s - own)
+        total = len(self.spec.token_ids) - self.cached
+        if self._done_tokens > 0:
+            left = max(left, own * (total - self._done_tokens) / self._done_tokens)
+        return now + step_s + left <= self.reply_due
+
+    def _yield_point(self) -> None:
+        """Inside a layer (``prefill_layer``): decode steps as at a layer boundary."""
+        self.worker.give_way(self.on_time)
 
     async def finish(self, logits: Any, t_compute: float, compute_s: float) -> PrefillReply:
         """Sample the first token, keep the new blocks, wait for the KV sends."""
@@ -330,11 +371,12 @@ class PrefillJob:
         Runs on the compute thread, which adds its own time to
         ``chunk_compute_s`` (one compute thread: no two chunks at once),
         less the decode steps it gave way to between its layers."""
-        t0 = time.perf_counter()
-        steps_s = self.worker.steps.between_layers_s
+        t0 = self._chunk_t0 = time.perf_counter()
+        steps_s = self._chunk_steps_s = self.worker.steps.between_layers_s
         try:
             return self.worker.runner.prefill_stage(self.spec.token_ids[start:end], self.table,
-                                                    start, layer_hook=hook)
+                                                    start, layer_hook=hook,
+                                                    yield_point=self._yield_point)
         finally:
             self.chunk_compute_s += time.perf_counter() - t0 \
                 - (self.worker.steps.between_layers_s - steps_s)

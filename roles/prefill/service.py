@@ -262,7 +262,8 @@ class PrefillService:
 
             def compute():
                 return self.worker.runner.prefill_batch(
-                    requests, layer_hook=lambda i, start, end, layer: hooks[i](start, end, layer))
+                    requests, layer_hook=lambda i, start, end, layer: hooks[i](start, end, layer),
+                    yield_point=self.worker.give_way)
 
             t_compute = time.perf_counter()
             steps_s = self.worker.steps.between_layers_s

@@ -26,6 +26,7 @@ from mooncaked.node.config import NodeConfig
 from mooncaked.node.context import CTX, NodeContext
 from mooncaked.node.errors import StartupError, error_middleware, internal_auth_middleware
 from mooncaked.node.gc_tuning import PauseWatch, freeze_startup
+from mooncaked.node.loop_watch import LoopStallWatch
 from mooncaked.node.priority import idle_priority
 from mooncaked.node.sdnotify import notify
 
@@ -90,6 +91,9 @@ async def serve(config: NodeConfig, setup_role: RoleSetup) -> int:
     pauses = PauseWatch()   # from here on: start-up's own collection is no pause
     pauses.install()
     ctx.status_providers["gc"] = pauses.status
+    stalls = LoopStallWatch()
+    stalls.start()
+    ctx.status_providers["loop"] = stalls.status
     if config.node.idle_after_start:
         idle_priority(all_threads=True)
         log.info("start-up done: idle priority from now on (SCHED_IDLE, autogroup nice 19)")
@@ -101,6 +105,7 @@ async def serve(config: NodeConfig, setup_role: RoleSetup) -> int:
     ctx.draining = True
     notify("STOPPING=1")
     await runner.cleanup()
+    await stalls.stop()
     pauses.uninstall()
     log.info("stopped cleanly")
     return 0

@@ -216,29 +216,27 @@ def record_chunks(job: PrefillJob, order: list[str]) -> None:
 
 # ---- one job ------------------------------------------------------------------------
 
-async def test_a_decode_step_waiting_runs_between_two_layers_of_a_chunk(
-        open_worker, decode, tiny_weights):
-    """A colocated node's decode step does not wait for the chunk that holds
-    the thread: the chunk gives way to it at its next layer (the node's
-    StepQueue; no step ran before, so at once).  The prompt's result and
-    its streamed KV do not change."""
-    worker = await open_worker()
-    loop = asyncio.get_running_loop()
-    order: list[str] = []
-    queued: list[asyncio.Future] = []
+def list_step(worker: WorkerNode, loop: asyncio.AbstractEventLoop, queued: list,
+              fn, *args) -> None:
+    """From the compute thread: list a decode step ``fn(*args)`` with the
+    worker (``compute_step``, on the loop) and wait until it is listed."""
+    listed = threading.Event()
 
-    def on_layer(i: int) -> None:    # on the compute thread, layer 0 of chunk 1
-        if i == 0:
-            listed = threading.Event()
+    def submit() -> None:
+        queued.append(worker.compute_step(fn, *args))
+        listed.set()
+    loop.call_soon_threadsafe(submit)
+    assert listed.wait(10)
 
-            def submit() -> None:
-                queued.append(worker.compute_step(order.append, "decode step"))
-                listed.set()
-            loop.call_soon_threadsafe(submit)
-            assert listed.wait(10)
-    spy_on_compute(worker, on_layer=on_layer)
+
+async def run_recorded(worker: WorkerNode, decode: DecodeSide, order: list[str],
+                       before=None, after=None, budget: PrefillBudget | None = None):
+    """PROMPT_A's job, its layer hook appending "[start, end) layer l" to
+    ``order``; ``before(start, layer)`` / ``after(start, layer)`` run on the
+    compute thread around the job's own hook (which gives way).  Returns
+    (reply, grant)."""
     grant = decode.reserve(len(PROMPT_A) + GREEDY.max_tokens)
-    job = PrefillJob(spec_for(worker, "req-a", PROMPT_A, grant), worker, CHUNK,
+    job = PrefillJob(spec_for(worker, "req-a", PROMPT_A, grant, budget=budget), worker, CHUNK,
                      fetch_timeout_s=5.0)
     job_hook = job.layer_hook
 
@@ -247,49 +245,35 @@ async def test_a_decode_step_waiting_runs_between_two_layers_of_a_chunk(
 
         def record(start: int, end: int, layer: int) -> None:
             order.append(f"[{start}, {end}) layer {layer}")
+            if before is not None:
+                before(start, layer)
             inner(start, end, layer)
+            if after is not None:
+                after(start, layer)
         return record
     job.layer_hook = recording_hook
-    reply = await job.run()
-    await asyncio.gather(*queued)
-    assert order[:3] == ["[0, 16) layer 0", "decode step", "[0, 16) layer 1"]
-    assert worker.steps.between_layers == 1
-    ref = reference(tiny_weights, PROMPT_A)
-    assert reply.first_token == ref.token
-    decode.assert_kv_landed(grant, PROMPT_A, ref)
+    return await job.run(), grant
 
 
-async def test_a_decode_step_listed_after_a_layer_boundary_runs_inside_that_layer(
-        open_worker, decode, tiny_weights):
-    """A step listed just after layer 0's boundary has given way does not
-    wait for layer 1's: the prefill yields inside the layer (before its
-    MLP) too.  The prompt's result and streamed KV do not change."""
+@pytest.mark.parametrize("listed", ["before the boundary", "after the boundary"])
+async def test_a_decode_step_waiting_runs_within_the_layer_it_was_listed_in(
+        open_worker, decode, tiny_weights, listed):
+    """A colocated node's decode step does not wait for the chunk that holds
+    the thread (the node's StepQueue; no step ran before, so at once).
+    Listed as layer 0 starts, it runs at that layer's boundary; listed just
+    after the boundary gave way to nothing, it runs inside layer 0 (before
+    its MLP): before layer 1 either way.  The prompt's result and its
+    streamed KV do not change."""
     worker = await open_worker()
     loop = asyncio.get_running_loop()
     order: list[str] = []
     queued: list[asyncio.Future] = []
-    grant = decode.reserve(len(PROMPT_A) + GREEDY.max_tokens)
-    job = PrefillJob(spec_for(worker, "req-a", PROMPT_A, grant), worker, CHUNK,
-                     fetch_timeout_s=5.0)
-    job_hook = job.layer_hook
 
-    def recording_hook(loop_, abort_on_cancel=True):
-        inner = job_hook(loop_, abort_on_cancel)
-
-        def record(start: int, end: int, layer: int) -> None:
-            order.append(f"[{start}, {end}) layer {layer}")
-            inner(start, end, layer)         # gives way: nothing is waiting yet
-            if start == 0 and layer == 0:    # on the compute thread
-                listed = threading.Event()
-
-                def submit() -> None:
-                    queued.append(worker.compute_step(order.append, "decode step"))
-                    listed.set()
-                loop.call_soon_threadsafe(submit)
-                assert listed.wait(10)
-        return record
-    job.layer_hook = recording_hook
-    reply = await job.run()
+    def layer_0(start: int, layer: int) -> None:    # layer 0 of chunk 1
+        if (start, layer) == (0, 0):
+            list_step(worker, loop, queued, order.append, "decode step")
+    hooks = {"before": layer_0} if listed == "before the boundary" else {"after": layer_0}
+    reply, grant = await run_recorded(worker, decode, order, **hooks)
     await asyncio.gather(*queued)
     assert order[:3] == ["[0, 16) layer 0", "decode step", "[0, 16) layer 1"]
     assert worker.steps.between_layers == 1
@@ -317,32 +301,14 @@ async def test_a_prefill_on_time_for_its_prediction_lets_steps_go_first(
         time.sleep(0.05)
         order.append(name)
 
-    def submit_and_wait(name: str) -> None:      # from the compute thread
-        listed = threading.Event()
+    def before(start: int, layer: int) -> None:
+        if (start, layer) == (0, 0):
+            list_step(worker, loop, queued, step, "step 1")    # runs here: none ran lately
 
-        def submit() -> None:
-            queued.append(worker.compute_step(step, name))
-            listed.set()
-        loop.call_soon_threadsafe(submit)
-        assert listed.wait(10)
-    grant = decode.reserve(len(PROMPT_A) + GREEDY.max_tokens)
-    job = PrefillJob(spec_for(worker, "req-a", PROMPT_A, grant, budget=budget), worker, CHUNK,
-                     fetch_timeout_s=5.0)
-    job_hook = job.layer_hook
-
-    def recording_hook(loop_, abort_on_cancel=True):
-        inner = job_hook(loop_, abort_on_cancel)
-
-        def record(start: int, end: int, layer: int) -> None:
-            order.append(f"[{start}, {end}) layer {layer}")
-            if start == 0 and layer == 0:
-                submit_and_wait("step 1")        # runs here: none ran for a while
-            inner(start, end, layer)
-            if start == 0 and layer == 0:
-                submit_and_wait("step 2")
-        return record
-    job.layer_hook = recording_hook
-    reply = await job.run()
+    def after(start: int, layer: int) -> None:
+        if (start, layer) == (0, 0):
+            list_step(worker, loop, queued, step, "step 2")
+    reply, grant = await run_recorded(worker, decode, order, before, after, budget)
     await asyncio.gather(*queued)
     assert order[:2] == ["[0, 16) layer 0", "step 1"]
     assert (order[2] == "step 2") is early, order

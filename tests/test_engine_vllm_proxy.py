@@ -142,6 +142,8 @@ async def test_a_vllm_engine_killed_mid_stream_then_restarted(vllm_pair):
         name = resp.headers["x-mooncaked-engine"]
         victim = next(s for s in vllm_pair if s.url.endswith(name))
         other = next(s for s in vllm_pair if s is not victim)
+        dead_tmp = victim.tmp_dir
+        assert dead_tmp is not None and any(dead_tmp.iterdir())  # vLLM's IPC sockets
         os.killpg(victim.proc.pid, signal.SIGKILL)   # API server and EngineCore alike
         victim.proc.wait()
         events = [line[6:].strip() async for line in resp.content if line.startswith(b"data: ")]
@@ -155,6 +157,7 @@ async def test_a_vllm_engine_killed_mid_stream_then_restarted(vllm_pair):
             assert resp.status == 200 and other.url.endswith(resp.headers["x-mooncaked-engine"])
         # A new process on the same ports: a new event stream and an empty cache.
         await asyncio.to_thread(victim.start)
+        assert not dead_tmp.exists()    # what the killed process left is gone
         engine = proxy.fleet.engines[name]
         await until(lambda: engine.alive, "the restarted engine up")
         assert engine.deaths == 1 and proxy.scheduler.engines[name].alive

@@ -40,9 +40,14 @@ def timed_step(clock: Clock, seconds: float, ran: list, name: str):
     return step
 
 
+def busy_queue(ratio: float = 2.0):
+    """(clock, the busy pool, the names of the steps that ran, the queue)."""
+    clock, pool = Clock(), BusyPool()
+    return clock, pool, [], StepQueue(pool, ratio=ratio, clock=clock)
+
+
 async def test_a_waiting_step_runs_at_the_next_layer_once_the_prefill_has_had_its_share():
-    clock, pool, ran = Clock(), BusyPool(), []
-    q = StepQueue(pool, ratio=2.0, clock=clock)
+    clock, pool, ran, q = busy_queue()
     # No step ran for a while: the first one runs at the first layer boundary.
     first = q.run(timed_step(clock, 0.010, ran, "s1"))
     q.give_way()
@@ -67,8 +72,7 @@ async def test_a_prefill_on_time_gives_way_at_once_and_a_late_one_keeps_its_shar
     """A prefill that, after one more step, still meets its predicted time
     gives way at once (on_time is asked with the latest step's seconds);
     one that would not keeps the thread for ratio x the latest step."""
-    clock, pool, ran = Clock(), BusyPool(), []
-    q = StepQueue(pool, ratio=2.0, clock=clock)
+    clock, pool, ran, q = busy_queue()
     first = q.run(timed_step(clock, 0.010, ran, "s1"))
     q.give_way()
     assert await first == "s1"                 # ended at 100.010, took 10 ms
@@ -91,8 +95,7 @@ async def test_a_prefill_on_time_gives_way_at_once_and_a_late_one_keeps_its_shar
 
 
 async def test_with_a_ratio_of_zero_a_step_waits_for_the_chunk():
-    clock, pool, ran = Clock(), BusyPool(), []
-    q = StepQueue(pool, ratio=0.0, clock=clock)
+    clock, pool, ran, q = busy_queue(ratio=0.0)
     step = q.run(timed_step(clock, 0.010, ran, "s1"))
     q.give_way()
     assert ran == [] and not step.done()
@@ -102,8 +105,7 @@ async def test_with_a_ratio_of_zero_a_step_waits_for_the_chunk():
 
 
 async def test_a_failing_step_fails_its_caller_not_the_prefill():
-    clock, pool = Clock(), BusyPool()
-    q = StepQueue(pool, ratio=2.0, clock=clock)
+    clock, pool, _, q = busy_queue()
 
     def broken():
         raise RuntimeError("step failed")
@@ -114,8 +116,7 @@ async def test_a_failing_step_fails_its_caller_not_the_prefill():
 
 
 async def test_a_step_cancelled_by_its_caller_still_runs_once_and_harms_nothing():
-    clock, pool, ran = Clock(), BusyPool(), []
-    q = StepQueue(pool, ratio=2.0, clock=clock)
+    clock, pool, ran, q = busy_queue()
     step = q.run(timed_step(clock, 0.010, ran, "s1"))
     step.cancel()
     await asyncio.sleep(0)

@@ -261,7 +261,7 @@ class PrefillJob:
             self.stream_log.append((end, layer, time.perf_counter()))
             # A colocated node's decode steps waiting for the thread run
             # here while this prefill is on time or once it has had its share.
-            self.worker.give_way(self.on_time)
+            self._yield_point()
         return hook
 
     def on_time(self, step_s: float) -> bool:
@@ -283,7 +283,8 @@ class PrefillJob:
         return now + step_s + left <= self.reply_due
 
     def _yield_point(self) -> None:
-        """Inside a layer (``prefill_layer``): decode steps as at a layer boundary."""
+        """At a layer boundary (the hook) and inside a layer
+        (``prefill_layer``): run the decode steps that are due."""
         self.worker.give_way(self.on_time)
 
     async def finish(self, logits: Any, t_compute: float, compute_s: float) -> PrefillReply:

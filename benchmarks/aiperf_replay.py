@@ -192,9 +192,14 @@ def aiperf_command(aiperf: Path, *, url: str, model: str, tokenizer: str, trace_
 
 def run_aiperf(cmd: list[str], env: dict[str, str], log_path: Path, timeout_s: float) -> None:
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    # A session of its own, as the servers have: with scheduler autogroups
+    # the kernel shares the cores between sessions first, so a client left in
+    # this script's session would get whatever that session was given (a
+    # shell or CI job at a low priority starves the client, and its TTFTs
+    # then measure its own waiting).
     with log_path.open("wb") as out:
         proc = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                              timeout=timeout_s, check=False)
+                              timeout=timeout_s, check=False, start_new_session=True)
     if proc.returncode != 0:
         tail = log_path.read_text(errors="replace").splitlines()[-20:]
         raise RuntimeError(f"aiperf exited with {proc.returncode}; see {log_path}:\n"

@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from mooncaked import process_setup
 from mooncaked.local_cluster import spawn
 
@@ -19,14 +21,30 @@ import ctypes, json, os
 libc = ctypes.CDLL("libc.so.6", use_errno=True)
 sig = ctypes.c_int(0)
 libc.prctl(2, ctypes.byref(sig))  # PR_GET_PDEATHSIG
+group = open("/proc/self/autogroup").read().split() if os.path.exists("/proc/self/autogroup") \
+    else None
 print(json.dumps({"pdeathsig": sig.value, "cpus": sorted(os.sched_getaffinity(0)),
-                  "policy": os.sched_getscheduler(0), "ppid": os.getppid()}))
+                  "policy": os.sched_getscheduler(0), "ppid": os.getppid(),
+                  "autogroup": group and {"id": group[0], "nice": int(group[-1])}}))
+"""
+
+# A session leader (its own autogroup, nice 0 when new) that runs the command
+# in its argv inside its session and prints its autogroup before and after.
+SESSION = """
+import json, subprocess, sys
+def group():
+    g = open("/proc/self/autogroup").read().split()
+    return {"id": g[0], "nice": int(g[-1])}
+before = group()
+out = subprocess.run(sys.argv[1:], capture_output=True, text=True, timeout=60, check=True).stdout
+print(json.dumps({"before": before, "after": group(), "child": json.loads(out)}))
 """
 
 
-def probe(**settings) -> dict:
+def probe(new_session: bool = False, **settings) -> dict:
     out = subprocess.run(process_setup.command([sys.executable, "-c", PROBE], **settings),
-                         capture_output=True, text=True, timeout=60, check=True).stdout
+                         capture_output=True, text=True, timeout=60, check=True,
+                         start_new_session=new_session).stdout
     return json.loads(out)
 
 
@@ -40,6 +58,25 @@ def test_the_child_arms_its_death_signal_cpu_set_and_idle_priority_itself():
     assert plain["pdeathsig"] == 0
     assert plain["cpus"] == sorted(os.sched_getaffinity(0))
     assert plain["policy"] == os.SCHED_OTHER
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"),
+                    reason="this kernel has no scheduler autogroups (CONFIG_SCHED_AUTOGROUP)")
+def test_idle_priority_renices_only_an_autogroup_of_its_own():
+    # A child in its own session (as up starts nodes) is its own autogroup,
+    # dropped to nice 19.
+    alone = probe(new_session=True, idle_priority=True)
+    assert alone["autogroup"]["nice"] == 19
+    # One started inside another process's session shares that session's
+    # autogroup: it must leave it (the shell, the test runner) as it was.
+    # Run inside a fresh session so that the runner's own group is never at stake.
+    cmd = process_setup.command([sys.executable, "-c", PROBE], idle_priority=True)
+    out = subprocess.run([sys.executable, "-c", SESSION, *cmd], capture_output=True, text=True,
+                         timeout=60, check=True, start_new_session=True).stdout
+    seen = json.loads(out)
+    assert seen["child"]["autogroup"]["id"] == seen["before"]["id"]   # the same group
+    assert seen["child"]["policy"] == os.SCHED_IDLE                   # it still yields
+    assert seen["after"]["nice"] == seen["before"]["nice"] == 0
 
 
 def test_a_child_whose_launcher_is_gone_before_it_arms_the_signal_exits():

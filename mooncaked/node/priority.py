@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 
 
-def idle_priority(all_threads: bool = False) -> None:
-    """SCHED_IDLE, and nice 19 for this process's autogroup.
+def idle_priority(all_threads: bool = False) -> bool:
+    """SCHED_IDLE, and nice 19 for this process's autogroup when the
+    process leads its own session.  Returns whether the autogroup was reniced.
 
     The policy is a thread's own (``sched_setscheduler(0)`` sets the calling
     thread's), inherited by the threads it starts later: ``all_threads``
@@ -29,9 +30,16 @@ def idle_priority(all_threads: bool = False) -> None:
     # The launcher starts each node in its own session, so it is its own
     # autogroup (when the kernel has autogroups), and the kernel shares a core
     # between groups by the group's nice, whatever the policy inside: at nice
-    # 0 this node still took half of a busy decode core.
+    # 0 this node still took half of a busy decode core.  An autogroup is a
+    # whole session's: a process started inside someone else's session (a
+    # node run from a shell, a test's child) would renice that shell, the
+    # test runner and every program started from them, so it leaves the
+    # group alone and yields by its policy only.
+    if os.getsid(0) != os.getpid():
+        return False
     try:
         with open("/proc/self/autogroup", "w") as group:
             group.write("19")
     except OSError:
-        pass  # no autogroups: SCHED_IDLE alone already yields
+        return False  # no autogroups: SCHED_IDLE alone already yields
+    return True

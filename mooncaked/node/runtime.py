@@ -95,8 +95,11 @@ async def serve(config: NodeConfig, setup_role: RoleSetup) -> int:
     stalls.start()
     ctx.status_providers["loop"] = stalls.status
     if config.node.idle_after_start:
-        idle_priority(all_threads=True)
-        log.info("start-up done: idle priority from now on (SCHED_IDLE, autogroup nice 19)")
+        if idle_priority(all_threads=True):
+            log.info("start-up done: idle priority from now on (SCHED_IDLE, autogroup nice 19)")
+        else:
+            log.info("start-up done: idle priority from now on (SCHED_IDLE; the autogroup is "
+                     "left alone: this node does not lead its session, or the kernel has none)")
     ctx.ready = True
     notify("READY=1")
     log.info("%s %s serving on %s", ctx.role, ctx.node_id, ctx.url)

@@ -77,10 +77,8 @@ class LoopStallWatch:
             beat = self._beat_at
             lag = time.monotonic() - beat - self.tick_s
             if lag < self.threshold_s:
-                if reported_beat is not None and beat != reported_beat:
-                    reported_beat = None
                 continue
-            if beat == reported_beat:
+            if beat == reported_beat:   # the stall already logged, still going
                 self.longest_s = max(self.longest_s, lag)
                 continue
             reported_beat = beat

@@ -95,11 +95,9 @@ async def serve(config: NodeConfig, setup_role: RoleSetup) -> int:
     stalls.start()
     ctx.status_providers["loop"] = stalls.status
     if config.node.idle_after_start:
-        if idle_priority(all_threads=True):
-            log.info("start-up done: idle priority from now on (SCHED_IDLE, autogroup nice 19)")
-        else:
-            log.info("start-up done: idle priority from now on (SCHED_IDLE; the autogroup is "
-                     "left alone: this node does not lead its session, or the kernel has none)")
+        group = "autogroup nice 19" if idle_priority(all_threads=True) else \
+            "autogroup left alone: not a session leader, or no autogroups"
+        log.info("start-up done: idle priority from now on (SCHED_IDLE, %s)", group)
     ctx.ready = True
     notify("READY=1")
     log.info("%s %s serving on %s", ctx.role, ctx.node_id, ctx.url)

@@ -45,9 +45,10 @@ class NodeSection:
     # Drop every thread of this process to SCHED_IDLE (and its autogroup to
     # nice 19 when it leads its own session, as `up` starts nodes; never the
     # session of the shell it was started from) once start-up is done: a node
-    # borrowing cores other nodes have first call on (`up --borrow`).  Start-up itself (imports, weights,
-    # registration) runs at normal priority: at idle priority it got no CPU
-    # beside any other busy process and `up` gave up on it.
+    # borrowing cores other nodes have first call on (`up --borrow`).
+    # Start-up itself (imports, weights, registration) runs at normal
+    # priority: at idle priority it got no CPU beside any other busy process
+    # and `up` gave up on it.
     idle_after_start: bool = False
 
     def __post_init__(self) -> None:

@@ -95,7 +95,8 @@ def test_a_yielding_node_is_fitted_on_its_cpu_seconds():
         for i in range(5):  # the fit needs a sample per term
             s.schedule(request(f"r{i}"), now=0.0)
             s.on_prefill_finished("b", f"r{i}", 0.3, actual_seconds=0.3, actual_work_s=0.02)
-        assert s.node_estimators["b"].seconds(8, 0) == pytest.approx(fitted)
+        # (the prior, a tenth of a sample, pulls five samples by < 2%)
+        assert s.node_estimators["b"].seconds(8, 0) == pytest.approx(fitted, rel=0.02)
 
 
 def test_work_the_node_reports_done_is_taken_off_its_queue():

@@ -460,16 +460,17 @@ def test_each_prefill_node_is_priced_by_its_own_fit():
                               actual_seconds=ms_per_token[d.prefill_node] * tokens)
         s.on_decode_finished("d0", f"r{i}", now=i + 0.6)
     assert served == {"p0": 12, "p1": 12}
-    # Each node's fit is its own speed, exactly (noise-free linear samples).
-    assert s.estimator_for("p0").seconds(1000, 0) == pytest.approx(1.0)
-    assert s.estimator_for("p1").seconds(1000, 0) == pytest.approx(2.0)
+    # Each node's fit is its own speed (noise-free linear samples; the
+    # prior, a tenth of a sample against a window of five, pulls by < 5%).
+    assert s.estimator_for("p0").seconds(1000, 0) == pytest.approx(1.0, rel=0.05)
+    assert s.estimator_for("p1").seconds(1000, 0) == pytest.approx(2.0, rel=0.05)
     # The cluster-wide fit learned from both (its window holds the last 5).
     assert 1.0 < s.prefill_est.seconds(1000, 0) < 2.0
     # A 1000-token request is predicted 1.0 s on p0 and 2.0 s on p1: the
     # least-TTFT choice (Algorithm 1) takes p0.
     s.policy = make_policy("mooncake")
     d = s.schedule(req("big", 1000), now=100.0)
-    assert (d.prefill_node, d.t_prefill) == ("p0", pytest.approx(1.0))
+    assert (d.prefill_node, d.t_prefill) == ("p0", pytest.approx(1.0, rel=0.05))
     # A node that joins later starts from the cluster-wide fit.
     s.add_prefill_node("p2")
     assert s.estimator_for("p2").seconds(1000, 0) == s.prefill_est.seconds(1000, 0)
@@ -493,11 +494,13 @@ def test_a_node_without_its_own_fit_is_priced_by_the_cluster_fit_not_its_startin
         assert d.prefill_node == "p0"
         s.on_prefill_finished("p0", f"r{i}", now=i + 0.5, actual_seconds=1e-3 * tokens)
         s.on_decode_finished("d0", f"r{i}", now=i + 0.6)
-    assert s.estimator_for("p0").seconds(1000, 0) == pytest.approx(1.0)
-    assert s.estimator_for("p1").seconds(1000, 0) == pytest.approx(1.0)
+    # 1 ms a token, not the 2 ms prior (which a window of five samples
+    # outweighs but for a pull of a few percent where no sample is).
+    assert s.estimator_for("p0").seconds(1000, 0) == pytest.approx(1.0, rel=0.1)
+    assert s.estimator_for("p1").seconds(1000, 0) == pytest.approx(1.0, rel=0.1)
     # Back in service, p1 is chosen when p0 is busier: 0.5 s queued on p0.
     s.prefill["p1"].accepting = True
     s.schedule(req("busy", 500), now=20.0)
     d = s.schedule(req("next", 500), now=20.0)
-    assert d.prefill_node == "p1" and d.t_prefill == pytest.approx(0.5)
+    assert d.prefill_node == "p1" and d.t_prefill == pytest.approx(0.5, rel=0.02)
 

@@ -6,6 +6,7 @@ import pytest
 from roles.scheduling import (DecodeEstimator, FlopsPrefillEstimator, GlobalCacheIndex,
                               ModelShape, PolynomialPrefillEstimator, TransferEstimator,
                               fit_polynomial)
+from roles.scheduling.estimators import prior_anchors
 
 
 def test_longest_prefix_per_node():
@@ -95,10 +96,14 @@ def test_polynomial_fit_recovers_coefficients():
 
 
 def test_online_refit_moves_towards_observations():
+    # Least squares: the prior's tenth of a sample against 19 pulls by ~0.5%.
     est = PolynomialPrefillEstimator({"n": 1e-3}, refit_every=8)
+    alone = PolynomialPrefillEstimator({"n": 1e-3}, refit_every=8, prior_weight=0)
     for n in range(1000, 20000, 1000):
         est.observe(n, 0, 2e-3 * n)
-    assert est.seconds(10_000, 0) == pytest.approx(20.0, rel=1e-3)
+        alone.observe(n, 0, 2e-3 * n)
+    assert est.seconds(10_000, 0) == pytest.approx(20.0, rel=0.01)
+    assert alone.seconds(10_000, 0) == pytest.approx(20.0, rel=1e-3)
     with pytest.raises(ValueError, match="unknown terms"):
         PolynomialPrefillEstimator({"n3": 1.0})
 
@@ -204,3 +209,37 @@ def test_decode_estimator_follows_measured_step_times():
     assert est.seconds(4, 0) == pytest.approx(3 * before, rel=0.01)
     est.observe(0, 0, 1.0)  # an idle node's report teaches nothing
     assert est.seconds(4, 0) == pytest.approx(3 * before, rel=0.01)
+
+
+def test_a_window_of_one_prompt_shape_keeps_the_prior_for_the_others():
+    """A node's measured prior (its start-up figures on this machine), then a
+    run of requests that each add 6 tokens to a cached 1,536-token prefix,
+    about 5 ms each: the window fixes one combination of the five
+    coefficients.  Fitted without the prior, the least-norm answer put
+    2.8e-5 s on n^2 and priced a cold 1,536-token prompt at 67 s (every
+    long prompt was refused on an idle node)."""
+    prior = {"c0": 2.1e-3, "n": 4.9e-5, "n2": 1.93e-8, "np": 3.86e-8}
+    est = PolynomialPrefillEstimator(prior, refit_every=8, window=96, least_absolute=True)
+    cold = est.seconds(1536, 0)                                   # 122.8 ms
+    for i in range(200):
+        est.observe(1542, 1536, 5.0e-3 + 1e-4 * (i % 3))
+    assert est.fitted_since_fork()
+    assert est.seconds(1542, 1536) == pytest.approx(5.1e-3, rel=0.05)   # what it saw
+    assert est.seconds(1536, 0) == pytest.approx(cold, rel=0.1)         # what it did not
+    assert est.seconds(4096, 0) == pytest.approx(
+        PolynomialPrefillEstimator(prior).seconds(4096, 0), rel=0.1)
+
+
+def test_prior_anchors_fix_every_coefficient_and_carry_the_weight_given():
+    prior = {"c0": 1e-3, "n": 2e-5, "n2": 1e-8, "np": 3e-8, "p": 1e-7}
+    anchors = prior_anchors(prior, 4096, 2.0)
+    # n in {1, 256, 1024, 4096} after p in {0, 2048}: 8 points, 2/8 each.
+    assert sorted({(n, p) for n, p, _, _ in anchors}) == [
+        (n, p) for n in (1.0, 256.0, 1024.0, 4096.0) for p in (0.0, 2048.0)]
+    assert all(w == 0.25 for *_, w in anchors)
+    n, p, s, _ = anchors[-1]   # 4096 new after 2048 cached
+    assert s == pytest.approx(1e-3 + 2e-5 * 4096 + 1e-8 * 4096 ** 2 + 3e-8 * 4096 * 2048
+                              + 1e-7 * 2048)
+    fit = fit_polynomial([], anchors=anchors)
+    for k, v in prior.items():
+        assert fit[k] == pytest.approx(v, rel=1e-6)

@@ -89,6 +89,7 @@ class ClusterView:
         # conductor.prefill_profile names one.
         self.prior_from_profile = bool(section.prefill_profile)
         self.measured_speed: dict[str, dict[str, float]] = {}
+        self.measured_span: dict[str, int] = {}   # the longest prompt each measured
         # CPP groups: group -> {stage: node_id}; a complete group is one
         # prefill instance named "cpp:<group>" for the Scheduler.
         self.groups: dict[str, dict[int, str]] = {}
@@ -96,17 +97,20 @@ class ClusterView:
         self.prefill_chunk = 1024  # set from the conductor's [model] section
         registry.subscribe(self._on_membership)
 
-    def _measured_prior(self, node: str, coeffs: dict[str, float]) -> None:
+    def _measured_prior(self, node: str, coeffs: dict[str, float], span_tokens: int) -> None:
         """The cluster's prefill prior from the nodes' own measurements, while
         nothing better is known: the built-in default is a guess that can be
         several times off on a given machine, and a request priced by it is
-        refused or admitted on that guess."""
+        refused or admitted on that guess.  It stays the online fit's anchor
+        for the prompt shapes no sample covers."""
         self.measured_speed[node] = coeffs
+        self.measured_span[node] = span_tokens
         est = self.scheduler.prefill_est
         if self.prior_from_profile or est.fitted_since_fork():
             return
         nodes = list(self.measured_speed.values())
-        est.coeffs = {t: sum(c[t] for c in nodes) / len(nodes) for t in est.coeffs}
+        est.set_prior({t: sum(c[t] for c in nodes) / len(nodes) for t in est.coeffs},
+                      max(self.measured_span.values()))
         log.info("prefill prior from %d node(s)' start-up measurement: %.0f ms for 1024 "
                  "new tokens", len(nodes), est.seconds(1024, 0) * 1e3)
 
@@ -149,7 +153,8 @@ class ClusterView:
                 return
             if record.role in ("prefill", "colocated"):
                 if cap.prefill_speed is not None:
-                    self._measured_prior(node, cap.prefill_speed.coeffs())
+                    self._measured_prior(node, cap.prefill_speed.coeffs(),
+                                         cap.prefill_speed.sampled_up_to)
                 sched.add_prefill_node(node, cache_capacity_blocks=cap.pages or 0,
                                        yields_to=tuple(cap.yields_to or ()),
                                        interleave_tokens=cap.interleave_tokens or 0,
@@ -159,6 +164,7 @@ class ClusterView:
                 sched.add_decode_node(node, page_budget=cap.pages or 0, page_tokens=block_size)
         elif event in ("left", "dead"):
             self.measured_speed.pop(node, None)
+            self.measured_span.pop(node, None)
             if node in self.group_of:
                 group, stage, _ = self.group_of.pop(node)
                 self.groups.get(group, {}).pop(stage, None)

@@ -18,6 +18,15 @@ import numpy as np
 POLY_TERMS = ("c0", "n", "n2", "np", "p")
 
 
+# The prior's weight in an online refit, in samples (all anchors together):
+# enough to settle what the samples leave open, too little to move what they
+# fix (a window holds up to hundreds).
+PRIOR_WEIGHT = 0.1
+# The longest prompt the prior's anchors reach when no sample is longer: a
+# node's start-up measurement goes this far.
+PRIOR_SPAN_TOKENS = 4096
+
+
 def _poly_row(n: float, p: float) -> list[float]:
     return [1.0, n, n * n, n * p, p]
 
@@ -59,16 +68,32 @@ class PolynomialPrefillEstimator(PrefillEstimator):
     least absolute error, see fit_polynomial) every `refit_every`
     observations (online refit); coefficients are clamped at >= 0 so that
     the estimate stays monotone in the prompt length.
+
+    A refit also holds the prior (the coefficients it started from, or
+    those ``set_prior`` gave) as ``prior_weight`` samples in all, spread
+    over anchor prompts up to ``span_tokens`` (``prior_anchors``): where
+    the window's samples pin the curve down they outweigh it; in the
+    directions they leave open (a window of one prompt shape, e.g. short
+    suffixes after a long cached prefix, fixes one combination of five
+    coefficients) the curve stays the prior's instead of whatever a
+    minimum-norm solution makes of it.
     """
 
     def __init__(self, coeffs: dict[str, float], refit_every: int = 0,
-                 window: int = 512, least_absolute: bool = False) -> None:
+                 window: int = 512, least_absolute: bool = False,
+                 prior_weight: float = PRIOR_WEIGHT,
+                 span_tokens: int = PRIOR_SPAN_TOKENS) -> None:
         unknown = set(coeffs) - set(POLY_TERMS)
         if unknown:
             raise ValueError(f"coeffs: unknown terms {sorted(unknown)}; known {POLY_TERMS}")
         if refit_every < 0 or window < len(POLY_TERMS):
             raise ValueError("refit_every must be >= 0 and window >= 5")
+        if not prior_weight >= 0 or span_tokens < 1:
+            raise ValueError("prior_weight must be >= 0 and span_tokens >= 1")
         self.coeffs = {t: float(coeffs.get(t, 0.0)) for t in POLY_TERMS}
+        self.prior = dict(self.coeffs)
+        self.prior_weight = prior_weight
+        self.span_tokens = span_tokens
         self.refit_every = refit_every
         self.least_absolute = least_absolute
         self.samples: deque[tuple[float, float, float]] = deque(maxlen=window)
@@ -86,9 +111,25 @@ class PolynomialPrefillEstimator(PrefillEstimator):
         self._since_fit += 1
         if self.refit_every and self._since_fit >= self.refit_every \
                 and len(self.samples) >= len(POLY_TERMS):
-            self.coeffs = fit_polynomial(list(self.samples), self.least_absolute)
+            self.coeffs = fit_polynomial(list(self.samples), self.least_absolute,
+                                         self._anchors())
             self._since_fit = 0
             self._fits += 1
+
+    def set_prior(self, coeffs: dict[str, float], span_tokens: int | None = None) -> None:
+        """A new prior (e.g. the nodes' start-up measurements): the
+        coefficients too until a refit, and every refit's anchor."""
+        self.prior = {t: float(coeffs.get(t, 0.0)) for t in POLY_TERMS}
+        if span_tokens is not None:
+            self.span_tokens = max(1, int(span_tokens))
+        if not self._fits:
+            self.coeffs = dict(self.prior)
+
+    def _anchors(self) -> list[tuple[float, float, float, float]]:
+        if self.prior_weight <= 0:
+            return []
+        seen = max((n + p for n, p, _ in self.samples), default=0.0)
+        return prior_anchors(self.prior, max(float(self.span_tokens), seen), self.prior_weight)
 
     def fork(self) -> "PolynomialPrefillEstimator":
         twin = copy.deepcopy(self)
@@ -106,10 +147,25 @@ L1_FIT_ROUNDS = 12
 L1_FIT_FLOOR_S = 1e-4
 
 
+def prior_anchors(prior: dict[str, float], span_tokens: float,
+                  weight: float) -> list[tuple[float, float, float, float]]:
+    """The prior as weighted pseudo-samples (new tokens, prefix, seconds,
+    weight): its time at 1, span/16, span/4 and span new tokens, after no
+    prefix and after span/2 cached ones; ``weight`` in all.  Eight points
+    that fix all five coefficients, over the prompts the estimate is used
+    for."""
+    est = PolynomialPrefillEstimator(prior)
+    ns = sorted({1.0, max(1.0, span_tokens / 16), max(1.0, span_tokens / 4), float(span_tokens)})
+    points = [(n, p) for n in ns for p in (0.0, float(span_tokens // 2))]
+    return [(n, p, est.seconds(int(n + p), int(p)), weight / len(points)) for n, p in points]
+
+
 def fit_polynomial(samples: list[tuple[float, float, float]],
-                   least_absolute: bool = False) -> dict[str, float]:
+                   least_absolute: bool = False,
+                   anchors: list[tuple[float, float, float, float]] = ()) -> dict[str, float]:
     """Fit of POLY_TERMS to (new tokens, prefix, seconds): least squares, or
-    (``least_absolute``) least absolute error.
+    (``least_absolute``) least absolute error; ``anchors`` are more samples
+    (n, p, seconds, weight) of their own weight each (``prior_anchors``).
 
     Least absolute error fits the typical prefill: a few samples far off
     (the first passes after start-up, a host that stalled one pass) pull a
@@ -120,15 +176,27 @@ def fit_polynomial(samples: list[tuple[float, float, float]],
     Non-negative by an active-set loop: fit, drop terms with negative
     coefficients, refit (small problem, at most 5 rounds).
     """
-    if len(samples) < 1:
+    if not samples and not anchors:
         raise ValueError("samples: need at least one (n, p, seconds) sample")
-    x = np.array([_poly_row(n, p) for n, p, _ in samples], dtype=np.float64)
-    y = np.array([s for _, _, s in samples], dtype=np.float64)
-    coef = _nonnegative_lstsq(x, y, np.ones_like(y))
+    rows = [(n, p, s, 1.0) for n, p, s in samples] + list(anchors)
+    x = np.array([_poly_row(n, p) for n, p, _, _ in rows], dtype=np.float64)
+    y = np.array([s for _, _, s, _ in rows], dtype=np.float64)
+    weight = np.array([w for *_, w in rows], dtype=np.float64)
+    if anchors:
+        # An anchor longer than a typical sample counts its misfit relative
+        # to its own time, in units of that sample's: a 4k-token anchor must
+        # not outweigh a window of short prefills by its length alone (each
+        # row scaled, x and y alike; shorter anchors stay in seconds).
+        unit = float(np.median(y[:len(samples)])) if samples else 1.0
+        scale = np.ones_like(y)
+        scale[len(samples):] = np.minimum(
+            1.0, unit / np.maximum(y[len(samples):], L1_FIT_FLOOR_S))
+        x, y = x * scale[:, None], y * scale
+    coef = _nonnegative_lstsq(x, y, np.sqrt(weight))
     if least_absolute:
         for _ in range(L1_FIT_ROUNDS):
             residual = np.maximum(np.abs(x @ coef - y), L1_FIT_FLOOR_S)
-            coef = _nonnegative_lstsq(x, y, 1.0 / np.sqrt(residual))
+            coef = _nonnegative_lstsq(x, y, np.sqrt(weight / residual))
     return {t: float(c) for t, c in zip(POLY_TERMS, coef)}
 
 

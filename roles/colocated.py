@@ -9,6 +9,8 @@ to the decode side is a local copy between pages of the same shard.
 
 from __future__ import annotations
 
+import dataclasses
+
 from aiohttp import web
 
 from mooncaked.node.context import NodeContext
@@ -22,4 +24,12 @@ def setup_colocated(app: web.Application, ctx: NodeContext) -> None:
     add_worker_resources(app, ctx)
     add_prefill_service(app, ctx)
     add_decode_service(app, ctx)
+
+    async def reserves_with_prefill(app: web.Application):
+        # Announced before registering: the conductor then sends requests it
+        # prefills and decodes here with reserve_here instead of reserving first.
+        ctx.capacity = dataclasses.replace(ctx.capacity, reserves_with_prefill=True)
+        yield
+
+    app.cleanup_ctx.append(reserves_with_prefill)
     add_membership(app, ctx)

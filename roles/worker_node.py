@@ -96,6 +96,10 @@ class WorkerNode:
     # is here as soon as this node's prefill samples its first token
     # (DecodeBatcher.start with early=True); None on a node that does not decode.
     start_decode_here: Callable[[str, int, int, Any, list[int]], Any] | None = None
+    # ... and its reservation of a request's decode pages (a ReservationGrant
+    # for request_id, total_tokens; ApiError when refused): what a
+    # PrefillRequest with reserve_here gets.  None on a node that does not decode.
+    reserve_here: Callable[[str, int], Any] | None = None
     # The most whole blocks computed within prefill.interleave_tbt_share of
     # the TBT SLO, at least the fewest whose fixed per-chunk cost (measured
     # at warm-up) stays within prefill.interleave_overhead of the chunk's

@@ -131,4 +131,18 @@ def test_colocated_node_matches_the_reference_too(local_cluster):
         assert trace["prefill_node"] == trace["decode_node"] == "colocated-0"
         assert trace["output_token_ids"] == expected
         assert trace["cached_tokens"] == (0 if attempt == 0 else 48)
+        # No reservation round trip: the node reserved its decode pages as it
+        # took the prefill (PrefillRequest.reserve_here).
+        assert trace["reserve_s"] == 0.0
     assert leaked(colo) == {}
+    # A client gone mid-stream frees that reservation too.
+    body = {"model": "tiny", "prompt": tokens(40, seed=12), "max_tokens": 2000,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    resp = stream_lines(colo.url, body)
+    got = 0
+    for line in resp:
+        got += line.startswith(b"data: {")
+        if got >= 3:
+            break
+    resp.close()
+    wait_until(lambda: not leaked(colo), 10, what="pages released after disconnect")

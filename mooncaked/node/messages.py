@@ -505,17 +505,28 @@ class PrefillBudget(Message):
 
 @dataclass(frozen=True)
 class PrefillRequest(Message):
-    """Conductor -> prefill node: the request, the reuse plan and the decode target."""
+    """Conductor -> prefill node: the request, the reuse plan and the decode
+    target: a reservation made on the decode node (``decode``), or, for a
+    colocated node that decodes the request itself, ``reserve_here`` tokens
+    for the node to reserve as it takes the request (one round trip fewer
+    before the prefill starts).  Exactly one of the two."""
     WHERE = "prefill"
     request_id: str = wire(name)
     token_ids: list[int] = wire(integers(nonempty=True))
     block_keys: list[int] = wire(integers())
-    decode: ReservationGrant = wire(message(ReservationGrant))
+    decode: ReservationGrant | None = wire(message(ReservationGrant), None, omit_none=True)
     sampling: SamplingParams = wire(sampling, factory=SamplingParams)
     fetch: FetchPlan | None = wire(message(FetchPlan), None, omit_none=True)
     cpp: CppPlan | None = wire(message(CppPlan), None, omit_none=True)
     # None: no prediction to keep (the node batches by its token budget alone).
     budget: PrefillBudget | None = wire(message(PrefillBudget), None, omit_none=True)
+    reserve_here: int = wire(integer(), 0)
+
+    def to_wire(self) -> dict[str, Any]:
+        out = super().to_wire()
+        if not self.reserve_here:
+            del out["reserve_here"]
+        return out
 
     @classmethod
     def from_wire(cls, obj: Any, where: str | None = None, *,
@@ -524,6 +535,15 @@ class PrefillRequest(Message):
         req = super().from_wire(obj, where)
         where = cls._path(where)
         _check_blocks(where, req.token_ids, req.block_keys, block_size)
+        if (req.decode is None) == (req.reserve_here == 0):
+            raise MessageError(f"{where}.decode", "expected a decode reservation or "
+                               "reserve_here tokens (exactly one)")
+        if req.decode is None:
+            if req.reserve_here < len(req.token_ids):
+                raise MessageError(f"{where}.reserve_here",
+                                   f"{req.reserve_here} tokens do not cover the "
+                                   f"{len(req.token_ids)}-token prompt")
+            return req
         pages = len(req.decode.pages)
         if block_size is not None and pages * block_size < len(req.token_ids):
             raise MessageError(f"{where}.decode.pages", f"{pages} pages of {block_size} tokens "
@@ -787,6 +807,9 @@ class NodeCapacity(Message):
     interleave_step_ratio: float | None = reported(number)
     # A prefill or colocated node holding every layer: its measured prefill time.
     prefill_speed: PrefillSpeed | None = reported(message(PrefillSpeed))
+    # A colocated node: it takes PrefillRequest.reserve_here, reserving the
+    # decode pages of a request it prefills and decodes.
+    reserves_with_prefill: bool | None = reported(boolean)
 
     @classmethod
     def from_wire(cls, obj: Any, where: str | None = None) -> Self:

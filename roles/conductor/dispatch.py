@@ -239,6 +239,15 @@ class Dispatcher:
         except InternalCallError as exc:
             raise exc.to_api_error() from None
 
+    @staticmethod
+    def _reserves_with_prefill(prefill: NodeRecord | None, decode: NodeRecord | None,
+                               stage_urls: list[str]) -> bool:
+        """Whether the prefill can carry the decode reservation: one node
+        does both (and says it takes ``reserve_here``), no pipeline."""
+        return (prefill is not None and decode is not None and not stage_urls
+                and prefill.node_id == decode.node_id
+                and bool(decode.capacity.reserves_with_prefill))
+
     async def _keep_reserved(self, decode_url: str, request_id: str) -> None:
         """While the prefill is queued or running, keep the decode node's
         reservation from expiring (expiry is for requests nobody owns)."""
@@ -318,7 +327,14 @@ class Dispatcher:
                 if prefill is None or decode is None:
                     raise ApiError(503, "the chosen node just left the cluster; retry",
                                    headers={"Retry-After": "1"})
-                if not reserved:
+                # The node that prefills and decodes the request (colocated)
+                # reserves its decode pages itself as it takes the prefill:
+                # the request is then never held up by a reservation round trip.
+                folded = not reserved and self._reserves_with_prefill(prefill, decode, stage_urls)
+                if folded:
+                    reservation = None
+                    reserved = True   # cancelled on every way out, like one made here
+                elif not reserved:
                     t = time.perf_counter()
                     reservation = await self.call_node(
                         decode.url + Route.DECODE_RESERVE,
@@ -344,6 +360,7 @@ class Dispatcher:
                         "predicted_tbt_ms": round(decision.predicted_tbt_s * 1000, 2)})
                 spec = PrefillRequest(
                     request_id, token_ids, keys, decode=reservation, sampling=sampling,
+                    reserve_here=len(token_ids) + sampling.max_tokens if folded else 0,
                     fetch=None if source is None else FetchPlan(source.url,
                                                                 decision.transfer.to_block),
                     cpp=CppPlan(stage_urls) if stage_urls else None,
@@ -371,7 +388,7 @@ class Dispatcher:
                     # none of the pages reserved next.
                     if attempt == MAX_PREFILL_ATTEMPTS:
                         raise
-                    if exc.maybe_started:
+                    if exc.maybe_started or folded:
                         await self._cancel(decode.url + Route.DECODE_CANCEL, request_id)
                         reserved = False
                     now = time.monotonic()

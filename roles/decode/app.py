@@ -36,23 +36,31 @@ log = logging.getLogger("mooncaked.decode")
 BATCHER = web.AppKey("batcher", DecodeBatcher)
 
 
-async def reserve(request: web.Request) -> web.Response:
-    req = await read_message(request, ReservationRequest, 1 << 20)
-    worker = request.app[WORKER]
-    needed = -(-req.total_tokens // worker.layout.block_size)
+def reserve_pages(worker: WorkerNode, batcher: DecodeBatcher, request_id: str,
+                  total_tokens: int, param: str) -> ReservationGrant:
+    """Pages for ``total_tokens`` of ``request_id`` on this node, as a grant
+    its prefill (here or on a peer) writes the KV into; ApiError 413 when
+    the node could never hold them, 503 when it cannot now, 409 when the
+    request holds a reservation already.  ``param``: the field to blame."""
+    needed = -(-total_tokens // worker.layout.block_size)
     if needed > worker.shard.num_pages:
         # Not "busy" (503): this node could never hold it, however long one waits.
-        raise ApiError(413, f"decode.reserve.total_tokens: {req.total_tokens} tokens need {needed} "
-                            f"pages; this decode node has {worker.shard.num_pages}",
-                       param="decode.reserve.total_tokens")
+        raise ApiError(413, f"{param}: {total_tokens} tokens need {needed} pages; this decode "
+                            f"node has {worker.shard.num_pages}", param=param)
     try:
-        pages = request.app[BATCHER].reserve(req.request_id, req.total_tokens)
+        pages = batcher.reserve(request_id, total_tokens)
     except StoreFullError as exc:
         raise ApiError(503, f"decode node out of KV pages: {exc}") from None
     except ValueError as exc:
         raise ApiError(409, str(exc)) from None
-    return reply(ReservationGrant(pages=pages, segment=worker.engine.name, region=worker.region_id,
-                                  capability=request.app[BATCHER].capability(req.request_id)))
+    return ReservationGrant(pages=pages, segment=worker.engine.name, region=worker.region_id,
+                            capability=batcher.capability(request_id))
+
+
+async def reserve(request: web.Request) -> web.Response:
+    req = await read_message(request, ReservationRequest, 1 << 20)
+    return reply(reserve_pages(request.app[WORKER], request.app[BATCHER], req.request_id,
+                               req.total_tokens, "decode.reserve.total_tokens"))
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -130,6 +138,8 @@ def add_decode_service(app: web.Application, ctx: NodeContext) -> None:
         app[BATCHER] = batcher
         worker.start_decode_here = lambda rid, prompt_len, first, sampling, prompt_ids: \
             batcher.start(rid, prompt_len, first, sampling, prompt_ids, early=True)
+        worker.reserve_here = lambda rid, total_tokens: reserve_pages(
+            worker, batcher, rid, total_tokens, "prefill.reserve_here")
         batcher.run()
         ctx.load_providers.append(batcher.load)
         ctx.status_providers["decode"] = lambda: batcher.load().to_wire()

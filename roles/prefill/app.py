@@ -1,6 +1,8 @@
 """Prefill node wiring and its internal endpoints (messages: mooncaked.node.messages).
 
-POST /internal/prefill          PrefillRequest -> PrefillReply: run a prefill
+POST /internal/prefill          PrefillRequest -> PrefillReply: run a prefill (on a
+                                colocated node, reserving its decode pages first when
+                                the request says reserve_here)
 POST /internal/prefill/cancel   RequestRef -> Cancelled
 POST /internal/store/prefetch   PrefetchRequest -> PrefetchReply: replicate a prefix here
 POST /internal/cpp/*            the pipeline stage endpoints (roles.prefill.cpp_routes)
@@ -8,6 +10,8 @@ plus the block leases peers use to READ our cached prefixes (store_leases).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from aiohttp import web
 
@@ -33,7 +37,17 @@ PUSHER = web.AppKey("pusher", CacheEventPusher)
 async def prefill(request: web.Request) -> web.Response:
     worker = request.app[WORKER]
     spec = await read_message(request, PrefillRequest, 64 << 20, block_size=worker.layout.block_size)
-    await check_decode_target(worker, spec.decode)
+    if spec.decode is None:
+        # A colocated node decoding the request itself: it reserves now.  On
+        # any failure below the conductor cancels the reservation, as one it
+        # made; unclaimed, it expires (decode.reservation_timeout_s).
+        if worker.reserve_here is None or spec.cpp is not None:
+            raise ApiError(400, "prefill.reserve_here: this node does not decode requests it "
+                                "prefills; send a decode reservation", param="prefill.reserve_here")
+        spec = dataclasses.replace(spec, decode=worker.reserve_here(spec.request_id,
+                                                                    spec.reserve_here))
+    else:
+        await check_decode_target(worker, spec.decode)
     try:
         result = await request.app[PREFILL].submit(spec)
     except QueueFull as exc:

@@ -287,11 +287,15 @@ def page_layout(v: Any, where: str) -> PageLayout:
 # -- messages -------------------------------------------------------------------
 
 def wire(check: Check, default: Any = dataclasses.MISSING, *,
-         factory: Any = dataclasses.MISSING, omit_none: bool = False) -> Any:
+         factory: Any = dataclasses.MISSING, omit_none: bool = False,
+         omit_zero: bool = False) -> Any:
     """A message field: how to check it, its default when absent (or null),
-    and whether ``to_wire`` leaves it out when it is None."""
+    and whether ``to_wire`` leaves it out when it is None (``omit_none``)
+    or 0 (``omit_zero``: a field added later, which readers that predate
+    it never see unless it is used)."""
     return dataclasses.field(default=default, default_factory=factory,
-                             metadata={"check": check, "omit_none": omit_none})
+                             metadata={"check": check, "omit_none": omit_none,
+                                       "omit_zero": omit_zero})
 
 
 def reported(check: Check) -> Any:
@@ -322,7 +326,7 @@ class Message:
         out = {}
         for f in _fields(type(self)):
             v = getattr(self, f.name)
-            if v is None and f.omit_none:
+            if (v is None and f.omit_none) or (f.omit_zero and v == 0):
                 continue
             out[f.name] = _to_wire(v)
         return out
@@ -352,6 +356,7 @@ class _Field(NamedTuple):
     check: Check
     has_default: bool
     omit_none: bool
+    omit_zero: bool
 
 
 @functools.cache
@@ -360,7 +365,8 @@ def _fields(cls: type) -> tuple[_Field, ...]:
     return tuple(_Field(f.name, f.metadata["check"],
                         f.default is not dataclasses.MISSING
                         or f.default_factory is not dataclasses.MISSING,
-                        f.metadata["omit_none"]) for f in dataclasses.fields(cls))
+                        f.metadata["omit_none"], f.metadata["omit_zero"])
+                 for f in dataclasses.fields(cls))
 
 
 def _check_blocks(where: str, token_ids: list[int], block_keys: list[int],
@@ -420,13 +426,7 @@ class ReservationGrant(Message):
     pages: list[int] = wire(integers())
     segment: str = wire(string)
     region: int = wire(integer(), 0)
-    capability: int = wire(integer(), 0)
-
-    def to_wire(self) -> dict[str, Any]:
-        out = super().to_wire()
-        if not self.capability:
-            del out["capability"]
-        return out
+    capability: int = wire(integer(), 0, omit_zero=True)
 
     @classmethod
     def from_wire(cls, obj: Any, where: str | None = None) -> Self:
@@ -520,13 +520,7 @@ class PrefillRequest(Message):
     cpp: CppPlan | None = wire(message(CppPlan), None, omit_none=True)
     # None: no prediction to keep (the node batches by its token budget alone).
     budget: PrefillBudget | None = wire(message(PrefillBudget), None, omit_none=True)
-    reserve_here: int = wire(integer(), 0)
-
-    def to_wire(self) -> dict[str, Any]:
-        out = super().to_wire()
-        if not self.reserve_here:
-            del out["reserve_here"]
-        return out
+    reserve_here: int = wire(integer(), 0, omit_zero=True)
 
     @classmethod
     def from_wire(cls, obj: Any, where: str | None = None, *,

@@ -23,7 +23,7 @@ from mooncaked.node.errors import ApiError
 from mooncaked.node.internal_client import read_message, reply
 from mooncaked.node.membership import NodeRecord, NodeRegistry
 from mooncaked.node.messages import (CacheEvents, CacheEventsAck, CacheSnapshot, DecodeSeqLoad,
-                                     DecodeStepSample, Ok, Route, StoredBlocks)
+                                     DecodeStepSample, Ok, PrefillSpeed, Route, StoredBlocks)
 from roles.scheduling.estimators import (DecodeEstimator, PipelinePrefillEstimator,
                                          PolynomialPrefillEstimator, TransferEstimator)
 from roles.scheduling.scheduler import Scheduler, scheduler_config
@@ -88,8 +88,7 @@ class ClusterView:
         # their mean is the prior until the online fit has samples, unless
         # conductor.prefill_profile names one.
         self.prior_from_profile = bool(section.prefill_profile)
-        self.measured_speed: dict[str, dict[str, float]] = {}
-        self.measured_span: dict[str, int] = {}   # the longest prompt each measured
+        self.measured_speed: dict[str, PrefillSpeed] = {}
         # CPP groups: group -> {stage: node_id}; a complete group is one
         # prefill instance named "cpp:<group>" for the Scheduler.
         self.groups: dict[str, dict[int, str]] = {}
@@ -97,20 +96,19 @@ class ClusterView:
         self.prefill_chunk = 1024  # set from the conductor's [model] section
         registry.subscribe(self._on_membership)
 
-    def _measured_prior(self, node: str, coeffs: dict[str, float], span_tokens: int) -> None:
+    def _measured_prior(self, node: str, speed: PrefillSpeed) -> None:
         """The cluster's prefill prior from the nodes' own measurements, while
         nothing better is known: the built-in default is a guess that can be
         several times off on a given machine, and a request priced by it is
         refused or admitted on that guess.  It stays the online fit's anchor
         for the prompt shapes no sample covers."""
-        self.measured_speed[node] = coeffs
-        self.measured_span[node] = span_tokens
+        self.measured_speed[node] = speed
         est = self.scheduler.prefill_est
         if self.prior_from_profile or est.fitted_since_fork():
             return
-        nodes = list(self.measured_speed.values())
+        nodes = [s.coeffs() for s in self.measured_speed.values()]
         est.set_prior({t: sum(c[t] for c in nodes) / len(nodes) for t in est.coeffs},
-                      max(self.measured_span.values()))
+                      max(s.sampled_up_to for s in self.measured_speed.values()))
         log.info("prefill prior from %d node(s)' start-up measurement: %.0f ms for 1024 "
                  "new tokens", len(nodes), est.seconds(1024, 0) * 1e3)
 
@@ -153,8 +151,7 @@ class ClusterView:
                 return
             if record.role in ("prefill", "colocated"):
                 if cap.prefill_speed is not None:
-                    self._measured_prior(node, cap.prefill_speed.coeffs(),
-                                         cap.prefill_speed.sampled_up_to)
+                    self._measured_prior(node, cap.prefill_speed)
                 sched.add_prefill_node(node, cache_capacity_blocks=cap.pages or 0,
                                        yields_to=tuple(cap.yields_to or ()),
                                        interleave_tokens=cap.interleave_tokens or 0,
@@ -164,7 +161,6 @@ class ClusterView:
                 sched.add_decode_node(node, page_budget=cap.pages or 0, page_tokens=block_size)
         elif event in ("left", "dead"):
             self.measured_speed.pop(node, None)
-            self.measured_span.pop(node, None)
             if node in self.group_of:
                 group, stage, _ = self.group_of.pop(node)
                 self.groups.get(group, {}).pop(stage, None)

@@ -104,6 +104,14 @@ class SeqKV:
         self.kv[layer, 0, :, position] = k
         self.kv[layer, 1, :, position] = v
 
+    def append(self, layer: int, position: int, kv: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``put`` of ``kv`` ([2, kv_heads, hd]: K then V) at ``position``,
+        then ``context(layer, position + 1)``, in one write and one slice."""
+        self.kv[layer, :, :, position] = kv
+        both = self.kv[layer, :, :, :position + 1]
+        return both[0], both[1]
+
     def context(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of positions [0, length) of ``layer``, each a [kv_heads, length,
         hd] view (the shape ``gather_kv`` returns)."""

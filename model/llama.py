@@ -257,9 +257,21 @@ def token_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -
     ``tiled_attention`` computes a row.  The flash kernel's single-query
     path is several times slower at these dtypes on CPU."""
     heads, hd = q.shape
+    return scaled_token_attention(q * hd ** -0.5, keys, values)
+
+
+def scaled_token_attention(q: torch.Tensor, keys: torch.Tensor,
+                           values: torch.Tensor) -> torch.Tensor:
+    """``token_attention`` of a query already multiplied by hd ** -0.5 (a
+    decode step scales the whole batch's queries in one operation)."""
+    heads, hd = q.shape
     kv_heads = keys.shape[0]
-    qg = (q * hd ** -0.5).view(kv_heads, heads // kv_heads, hd)
-    probs = torch.softmax(torch.bmm(qg, keys.transpose(1, 2)), -1)
+    qg = q.view(kv_heads, heads // kv_heads, hd)
+    # keys is usually a view with a batch stride past its length (a mirror's
+    # capacity, a gather's pages): bmm against its transpose then takes a
+    # slow copying path (bf16: ~110 us for 1k keys); one plain copy first
+    # and the product take ~35.
+    probs = torch.softmax(torch.bmm(qg, keys.contiguous().transpose(1, 2)), -1)
     return torch.bmm(probs, values).reshape(heads, hd)
 
 
@@ -334,16 +346,20 @@ def decode_layer(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer: int,
     q, k, v = _qkv(rms_norm(x, w.attn_norm, c.rms_eps), w, c, cos, sin)
     write_kv(kv_pages, layer, token_pages, token_slots, k, v)
     reduced = q.dtype in REDUCED_PRECISION
+    if reduced:  # scaled once for the batch, not once per request
+        q = q * c.head_dim ** -0.5
+    # Each request's new K and V as one [2, kv_heads, hd] row: one copy into
+    # its mirror instead of two (per request and layer, small ops dominate).
+    new_kv = torch.stack((k, v), dim=1) if mirrors is not None else None
     outs = []
     for b in range(bsz):
         mirror = mirrors[b] if mirrors is not None else None
         if mirror is None:
             keys, values = gather_kv(kv_pages, layer, block_tables[b], ends[b] + 1)
         else:
-            mirror.put(layer, ends[b], k[b], v[b])
-            keys, values = mirror.context(layer, ends[b] + 1)
+            keys, values = mirror.append(layer, ends[b], new_kv[b])
         if reduced:
-            outs.append(token_attention(q[b], keys, values))
+            outs.append(scaled_token_attention(q[b], keys, values))
         else:
             outs.append(F.scaled_dot_product_attention(
                 q[b, :, None, :][None], keys[None], values[None], enable_gqa=True))  # [1, heads, 1, hd]

@@ -10,7 +10,8 @@ disturbed one on a shared machine).  ``cached_or_measure`` keeps the result
 in ``~/.cache/mooncaked/layout-<key>.json`` (``$XDG_CACHE_HOME`` is
 honoured), the key naming the model (a checkpoint by its path and the
 modification time of its config.json), the CPU model, the number of CPUs,
-the torch version and the mix: a later start on the same machine skips it.
+the torch version, a digest of the model code it times and the mix: a
+later start on the same machine skips it.
 """
 
 from __future__ import annotations
@@ -58,12 +59,29 @@ def model_identity(model: str) -> str:
     return model
 
 
+# The sources of the code ``measure`` times: a change to them changes the
+# speeds, so it is part of the cache key.
+TIMED_SOURCES = ("model/llama.py", "model/runner.py", "model/decode_kv.py")
+
+
+def code_identity(root: Path = Path(__file__).resolve().parent.parent) -> str:
+    """A digest of ``TIMED_SOURCES`` (empty for a file that is missing)."""
+    digest = hashlib.sha256()
+    for rel in TIMED_SOURCES:
+        try:
+            digest.update((root / rel).read_bytes())
+        except OSError:
+            pass
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
 def cache_key(model: str, ncpus: int, mix: RequestMix, prefill_chunk: int,
               torch_version: str, dtype: str = "float32") -> dict:
     return {"format": FORMAT, "model": model_identity(model), "cpu": cpu_model(),
-            "cpus": ncpus, "torch": torch_version, "prompt_tokens": mix.prompt_tokens,
-            "computed_tokens": mix.computed_tokens, "prefill_chunk": prefill_chunk,
-            "dtype": dtype}
+            "cpus": ncpus, "torch": torch_version, "code": code_identity(),
+            "prompt_tokens": mix.prompt_tokens, "computed_tokens": mix.computed_tokens,
+            "prefill_chunk": prefill_chunk, "dtype": dtype}
 
 
 def cache_path(key: dict, base: Path | None = None) -> Path:

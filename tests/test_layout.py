@@ -285,3 +285,18 @@ def test_contradicting_layout_flags_are_refused(monkeypatch, tmp_path, args):
     result, cluster, _ = _up(monkeypatch, tmp_path, *args, measured=None)
     assert result.exit_code == 2 and cluster is None
     assert "--layout" in result.output
+
+
+def test_a_change_to_the_timed_model_code_measures_again(tmp_path):
+    """The cache stands for the speed of the code it timed: a new decode or
+    prefill kernel must not be scored with the old one's numbers."""
+    root = tmp_path / "src"
+    for rel in layout_measure.TIMED_SOURCES:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("x = 1\n")
+    before = layout_measure.code_identity(root)
+    assert layout_measure.code_identity(root) == before
+    (root / layout_measure.TIMED_SOURCES[-1]).write_text("x = 2\n")
+    assert layout_measure.code_identity(root) != before
+    key = layout_measure.cache_key("dummy", 2, RequestMix(), 1024, "2.x")
+    assert key["code"] == layout_measure.code_identity()

@@ -35,9 +35,16 @@ def weights():
     return dummy_weights(CFG, seed=11)
 
 
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def any_weights(request):
+    """float32 attends with SDPA, bfloat16 with ``scaled_token_attention``."""
+    return dummy_weights(CFG, seed=11, dtype=request.param)
+
+
 def make_runner(weights) -> ModelRunner:
     # Stale bytes in unused slots must never reach a result: NaN would show.
-    pages = kv_pages_view(mmap.mmap(-1, LAYOUT.page_bytes * NUM_PAGES), LAYOUT)
+    layout = page_layout(CFG, BLOCK, weights.dtype_name)
+    pages = kv_pages_view(mmap.mmap(-1, layout.page_bytes * NUM_PAGES), layout)
     pages.fill_(float("nan"))
     return ModelRunner(weights, pages)
 
@@ -58,7 +65,8 @@ def gathered_kv(runner: ModelRunner, table: list[int], length: int) -> torch.Ten
     return flat[:, :, :, :length]
 
 
-def test_mirrored_steps_give_the_gathered_steps_logits_bit_for_bit(weights):
+def test_mirrored_steps_give_the_gathered_steps_logits_bit_for_bit(any_weights):
+    weights = any_weights
     gather, mirrored = make_runner(weights), make_runner(weights)
     rng = random.Random(3)
     # Contexts from under one page to several, none page-aligned.

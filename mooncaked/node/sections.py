@@ -115,9 +115,15 @@ class ConductorSection:
     # roles/scheduling/residuals.py: measured minus predicted TTFT, and the
     # log of measured over predicted TBT, of finished requests).
     residual_half_life_s: float = 30.0
-    # Admit a request when its prediction plus this quantile of its node's
-    # residuals is within the SLO (node choice adds the median).
+    # The quantile of its node's residuals a request's prediction must stay
+    # within the SLO with to be admitted, at start (node choice adds the
+    # median); slo_attainment then steers it.
     admit_quantile: float = 0.9
+    # The share of admitted requests that should meet both SLOs: the admit
+    # quantile rises after each admitted request that missed and falls after
+    # each that met them, so misses settle at 1 - this share
+    # (roles/scheduling/attainment.py); 0 keeps admit_quantile fixed.
+    slo_attainment: float = 0.95
     # Residuals a node (or a node at one load level) needs before its own are
     # used instead of those of the level above it (node, then the cluster).
     residual_min_samples: int = 8
@@ -145,6 +151,9 @@ class ConductorSection:
             raise ValueError(f"conductor.admit_quantile must be in (0, 1); got {self.admit_quantile}")
         if self.residual_min_samples < 1:
             raise ValueError("conductor.residual_min_samples must be >= 1")
+        if not 0 <= self.slo_attainment < 1:
+            raise ValueError(f"conductor.slo_attainment must be in [0, 1) (0: a fixed admit "
+                             f"quantile); got {self.slo_attainment}")
         if self.borrowed_prefill not in BORROWED_PREFILL_USES:
             raise ValueError(f"conductor.borrowed_prefill must be one of "
                              f"{', '.join(BORROWED_PREFILL_USES)}; got {self.borrowed_prefill!r}")

@@ -382,7 +382,11 @@ class Simulation:
     def _finish(self, r: Req, now: float) -> None:
         r.done_at = now
         if r.decision is not None:
-            self.scheduler.on_decode_finished(r.decision.decode_node, r.rid, now)
+            # Its intervals as a streaming client gets them: the scheduler
+            # learns the TBT residuals and the admitted requests' attainment
+            # from them, as the conductor's does.
+            self.scheduler.on_decode_finished(r.decision.decode_node, r.rid, now,
+                                              list(r.intervals))
         self.pending -= 1
 
     def _sample(self, now: float, _a: object, _b: object) -> None:

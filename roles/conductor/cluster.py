@@ -12,6 +12,7 @@ POST /internal/cache/events    CacheEvents {node_id, epoch, seq, stored, evicted
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -293,6 +294,9 @@ class ClusterView:
                                        "quantile": round(st.quantile, 4)}
                                  for key, st in stats.items()}
                           for kind, stats in sched.residual_stats(now).items()},
+            # The admission quantile those windows are read at, steered so that
+            # the target share of admitted requests meets both SLOs.
+            "admission": dataclasses.asdict(sched.admission.stats()),
             "ttft_error_mean_s": sum(errors) / len(errors) if errors else None,
             "prefill_coeffs": getattr(sched.prefill_est, "coeffs", None),
             "prefill_prior": self._prior_source(),

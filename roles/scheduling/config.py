@@ -28,6 +28,10 @@ class SchedulerConfig:
     residual_half_life_s: float = 30.0
     admit_quantile: float = 0.9
     residual_min_samples: int = 8
+    # The share of admitted requests meant to meet both SLOs: admit_quantile
+    # is where the admission quantile starts, each admitted request's outcome
+    # steers it (attainment.py).  None: it stays at admit_quantile.
+    slo_attainment: float | None = 0.95
     # How a prefill report that names its requests sets the queue: False, the
     # node's own seconds figure; True, the sum of this scheduler's estimates
     # of the named requests (fitted on measured prefills, so with a fixed
@@ -73,6 +77,8 @@ class SchedulerConfig:
             raise ValueError("kv_bytes_per_token must be > 0")
         if not 0 < self.admit_quantile < 1:
             raise ValueError("admit_quantile must be in (0, 1)")
+        if self.slo_attainment is not None and not 0 < self.slo_attainment < 1:
+            raise ValueError("slo_attainment must be in (0, 1) or None")
         if not isinstance(self.residual_min_samples, int) or self.residual_min_samples < 1:
             raise ValueError("residual_min_samples must be an integer >= 1")
 
@@ -86,6 +92,7 @@ def scheduler_config(section, **overrides) -> SchedulerConfig:
                   tbt_slo_s=section.tbt_slo_ms / 1000.0,
                   residual_half_life_s=section.residual_half_life_s,
                   admit_quantile=section.admit_quantile,
+                  slo_attainment=section.slo_attainment or None,
                   residual_min_samples=section.residual_min_samples,
                   price_yielded_work=section.price_borrowed_work,
                   yielding_overflow_only=section.borrowed_prefill == "overflow")

@@ -35,6 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Collection, Mapping, NamedTuple, Sequence
 
+from .attainment import AdmissionQuantile, met_slos
 from .config import SchedulerConfig
 from .estimators import DecodeEstimator, PrefillEstimator
 from .residuals import ResidualModel, load_level
@@ -76,6 +77,7 @@ class _Request:
     # keeps to): what the engine will hold once it has prefilled it.
     block_keys: tuple[int, ...] = ()
     first_token_at: float | None = None
+    ttft_s: float | None = None   # measured, once its first token came back
     batch: int = 0           # the engine's running batch when it started decoding
     context_tokens: int = 0
 
@@ -130,6 +132,9 @@ class EngineScheduler:
         self.engines: dict[str, EngineState] = {}
         self.ttft_residuals = ResidualModel(config.residual_half_life_s, config.admit_quantile,
                                             config.residual_min_samples)
+        # Its admission quantile, steered by admitted requests' outcomes.
+        self.admission = AdmissionQuantile(config.admit_quantile, config.slo_attainment)
+        self.ttft_residuals.quantile = self.admission.quantile
         self.recent_prompts: deque[int] = deque(maxlen=RECENT_PROMPTS)
         self.rejections: dict[str, int] = {}
         self._ttft_errors = [0, 0.0, 0.0]  # count, sum, sum of |predicted - actual|
@@ -349,7 +354,7 @@ class EngineScheduler:
         if service > 0:
             state.prefill_est.observe(req.prompt_tokens, req.prefix_tokens, service)
             self.prefill_est.observe(req.prompt_tokens, req.prefix_tokens, service)
-        actual = now - req.sent_at
+        actual = req.ttft_s = now - req.sent_at
         errors = self._ttft_errors
         errors[0] += 1
         errors[1] += req.predicted_ttft_s - actual
@@ -370,6 +375,10 @@ class EngineScheduler:
         req = state.requests.pop(request_id, None)
         if req is not None and mean_tbt_s is not None and mean_tbt_s > 0 and tokens > 1:
             state.decode_est.observe(req.batch, req.context_tokens + tokens // 2, mean_tbt_s)
+        if req is not None and req.observed and req.ttft_s is not None:
+            intervals = [mean_tbt_s] if mean_tbt_s is not None and tokens > 1 else []
+            self.ttft_residuals.quantile = self.admission.observe(met_slos(
+                req.ttft_s, intervals, self.config.ttft_slo_s, self.config.tbt_slo_s))
 
     def on_failed(self, engine: str, request_id: str, now: float) -> None:
         """The request ended without an answer worth learning from."""
@@ -416,7 +425,8 @@ class EngineScheduler:
                                "mean_abs_s": total_abs / n if n else 0.0},
                 "ttft_residuals": {k: dataclasses.asdict(v)
                                    for k, v in self.ttft_residuals.stats(now).items()},
-                "residuals_priced_by_prior": self.ttft_residuals.prior_skipped}
+                "residuals_priced_by_prior": self.ttft_residuals.prior_skipped,
+                "admission": dataclasses.asdict(self.admission.stats())}
 
 
 def _expected_end(p: PendingPrefill) -> float:

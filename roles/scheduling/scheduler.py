@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from . import borrowed
+from .attainment import AdmissionQuantile, met_slos
 from .config import SchedulerConfig, scheduler_config
 from .estimators import DecodeEstimator, PrefillEstimator, TransferEstimator
 from .index import GlobalCacheIndex
@@ -48,6 +49,7 @@ class _Inflight:
     # colocated decode node); what they did add is counted at its finish.
     tbt_chunks_s: float = 0.0
     first_token_at: float | None = None   # when its prefill finished
+    ttft_s: float | None = None           # its TTFT as measured
     # Its prediction, or that of work booked ahead of it, came from an
     # estimator no measurement had refitted yet (the built-in guess or a
     # profile): its error says how wrong that prior was, not how far the
@@ -97,6 +99,9 @@ class Scheduler(DecodePricing):
                                            config.residual_min_samples)
         self.handoff_residuals = ResidualModel(config.residual_half_life_s, config.admit_quantile,
                                                config.residual_min_samples)
+        # The admission quantile of all three, steered by admitted requests' outcomes.
+        self.admission = AdmissionQuantile(config.admit_quantile, config.slo_attainment)
+        self._set_admit_quantile(self.admission.quantile)
         # Per prefill node: recent (predicted queue, batched-behind) pairs of
         # requests that waited, and the slope fitted on them (batch_wait_s).
         self._batch_waits: dict[str, deque[tuple[float, float]]] = {}
@@ -369,6 +374,7 @@ class Scheduler(DecodePricing):
         if actual_batched_behind_s is not None and node in self.prefill:
             self._learn_batch_wait(node, inf.decision.t_queue, actual_batched_behind_s)
         actual_ttft = now - inf.scheduled_at if actual_ttft_s is None else actual_ttft_s
+        inf.ttft_s = actual_ttft
         error = inf.decision.predicted_ttft_s - actual_ttft
         self.ttft_errors.append(error)
         # What the cost model missed for this request; a prior's miss says
@@ -388,6 +394,10 @@ class Scheduler(DecodePricing):
         r = self.ttft_residuals
         headroom = r.bound(node, lvl, now) - r.median(node, lvl, now)
         return max(0.0, self.config.ttft_slo_s - headroom)
+
+    def _set_admit_quantile(self, q: float) -> None:
+        for model in (self.ttft_residuals, self.tbt_residuals, self.handoff_residuals):
+            model.quantile = q
 
     def load_level(self) -> int:
         """The load level of the requests in flight now (residuals.load_level)."""
@@ -431,6 +441,9 @@ class Scheduler(DecodePricing):
                 residual = log_ratio(sum(rest) / len(rest), step)
                 if residual is not None:
                     self.tbt_residuals.add(node, inf.load_level, residual, now)
+        if token_intervals is not None and inf is not None and inf.ttft_s is not None:
+            self._set_admit_quantile(self.admission.observe(met_slos(
+                inf.ttft_s, token_intervals, self.config.ttft_slo_s, self.config.tbt_slo_s)))
         d = self.decode.get(node)
         if d is None:
             return

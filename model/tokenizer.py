@@ -122,7 +122,13 @@ class HFTokenizer:
         """add_bos: add what the tokenizer itself adds to a plain text (its
         post-processor: <|begin_of_text|> for LLaMA 3, nothing for SmolLM2),
         as HF's ``add_special_tokens=True`` does."""
-        return self._tok.encode(text, add_special_tokens=add_bos).ids
+        return self._encode(text, add_bos)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # encode_batch releases the GIL while it runs (encode holds it): a
+        # caller that tokenizes a long prompt in a worker thread to keep an
+        # event loop responsive only gets that with it.  Same ids.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)
@@ -135,7 +141,7 @@ class HFTokenizer:
                                      bos_token=self.bos_token or "",
                                      eos_token=self.eos_token or "")
         # The template writes the specials (bos, turn markers) itself.
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._encode(text, add_special_tokens=False)
 
 
 def _read_json(path: Path) -> dict:

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -405,6 +406,19 @@ async def test_prompts_are_tokenized_here_with_the_engines_own_tokenizer(engines
             "model": "model", "prompt": "hello", "max_tokens": 2, "add_special_tokens": False})
         assert resp.status == 200
         assert sum([await _tokenize_calls(e) for e in (a, b)]) == sum(probes) + 1
+        # A long prompt is tokenized in a worker thread, a short one on the
+        # event loop (where a thread hop would cost more than the encoding).
+        threads: list[int] = []
+        for e in proxy.fleet.engines.values():
+            def recording(text, add_bos=True, encode=e.tokenizer.tokenizer.encode):
+                threads.append(threading.get_ident())
+                return encode(text, add_bos)
+            e.tokenizer.tokenizer.encode = recording
+        for prompt in ("hello", "hello world " * 2000):     # bodies of ~50 B and ~24 KB
+            resp = await client.post("/v1/completions", json={
+                "model": "model", "prompt": prompt, "max_tokens": 1})
+            assert resp.status == 200
+        assert len(threads) == 2 and threads[0] == threading.get_ident() != threads[1]
     finally:
         await client.close()
 

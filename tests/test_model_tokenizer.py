@@ -80,3 +80,24 @@ def test_load_tokenizer_errors(tmp_path):
     assert isinstance(load_tokenizer("tiny"), ByteTokenizer)
     with pytest.raises(ValueError, match="tokenizer.json"):
         load_tokenizer(str(tmp_path))
+
+
+def test_encoding_a_long_prompt_in_a_thread_lets_other_threads_run(hf_dir):
+    """The conductor tokenizes long prompts in a worker thread to keep its
+    event loop serving; that only works if encoding releases the GIL.  While
+    a worker encodes ~100k tokens, this thread must get to run Python again
+    and again (with the GIL held throughout it could not run until the end)."""
+    import threading
+
+    tok = HFTokenizer(hf_dir)
+    text = "hello world, the quick brown fox. " * 12_000
+    expected = tok.encode(text)
+    out: list[list[int]] = []
+    worker = threading.Thread(target=lambda: out.append(tok.encode(text)))
+    turns = 0
+    worker.start()
+    while worker.is_alive():
+        turns += 1
+        worker.join(0.0001)
+    assert out == [expected]
+    assert turns > 3, f"this thread ran {turns} time(s) while the worker encoded"

@@ -44,6 +44,7 @@ from kvstore.keys import block_keys
 from mooncaked.node.context import NodeContext
 from mooncaked.node.errors import ApiError, StartupError, error_body, json_response, read_json
 from roles.conductor.metrics import ConductorMetrics
+from roles.conductor.openai_api import TOKENIZE_IN_THREAD_BYTES
 from roles.engines.fleet import Engine, EngineFleet, EngineSpec, EngineSpecError
 from roles.engines.indexer_api import ENGINES
 from roles.scheduling.config import scheduler_config
@@ -244,16 +245,23 @@ class EngineProxy:
             await self.fleet.mark_dead(engine.name, f"POST {path}: {type(exc).__name__}: {exc}")
             raise EngineGone(str(exc)) from None
 
-    async def _tokenize(self, body: dict, chat: bool) -> tuple[list[int], int]:
+    async def _tokenize(self, body: dict, chat: bool,
+                        in_thread: bool = False) -> tuple[list[int], int]:
         """(token ids routed on, prompt tokens in all): the first prompt of a
-        batch is routed on and the others counted as long as it."""
+        batch is routed on and the others counted as long as it.
+        ``in_thread``: a local tokenizer runs in a worker thread (a long
+        prompt takes milliseconds, which on the event loop delay every
+        other request's proxying)."""
+        async def local_call(fn, arg):
+            return await asyncio.to_thread(fn, arg) if in_thread else fn(arg)
+
         candidates = self._candidates(body)
         local = next((e.tokenizer for e in candidates if e.tokenizer is not None), None)
         if chat:
             ask = {"model": body.get("model"), "messages": body.get("messages")}
             ask.update({k: body[k] for k in CHAT_TOKENIZE_KEYS if k in body})
             if local is not None and len(ask) == 2:   # no template options
-                tokens = local.chat_tokens(ask["messages"])
+                tokens = await local_call(local.chat_tokens, ask["messages"])
                 if tokens is not None:
                     return tokens, len(tokens)
             batch = 1
@@ -269,7 +277,7 @@ class EngineProxy:
             if "add_special_tokens" in body:
                 ask["add_special_tokens"] = body["add_special_tokens"]
             elif local is not None and isinstance(first, str):
-                tokens = local.prompt_tokens(first)
+                tokens = await local_call(local.prompt_tokens, first)
                 return tokens, len(tokens) * batch
         # The least loaded engine tokenizes: a round trip to a busy one
         # delays the first token, and one engine taking them all gets busy.
@@ -293,7 +301,8 @@ class EngineProxy:
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
         raw = orjson.dumps(body)
-        tokens, prompt_tokens = await self._tokenize(body, chat)
+        tokens, prompt_tokens = await self._tokenize(
+            body, chat, in_thread=(request.content_length or 0) > TOKENIZE_IN_THREAD_BYTES)
         if prompt_tokens == 0:
             raise ApiError(400, "the prompt is empty", param="messages" if chat else "prompt")
         streamed = bool(body.get("stream"))

@@ -236,3 +236,19 @@ def test_trust_ages_with_the_samples_so_a_refusing_window_cannot_last_for_ever()
     # at t=1, 8 x 0.5**0.1 + 1 = 8.46.
     m.add("a", 0, 0.5, now=1.0)
     assert m.key_for("a", 0, now=1.0) == ("a", 0)
+
+
+def test_the_decode_node_is_chosen_on_median_residuals_and_admitted_on_the_quantile():
+    # d0's hand-offs: usually none, one in four 90 ms (median 0, 0.9-quantile
+    # 0.09 s); d1's: always 30 ms.  A 2-token reply's TBT is its hand-off
+    # plus a step (0.01 s): typically 0.01 s on d0 and 0.04 s on d1, so d0
+    # is chosen; its admission bound is 0.01 + 0.09 = 0.1 s, what the
+    # request is checked against.  (On the bounds alone, d1 would be chosen.)
+    s = sched(ttft_slo_s=30.0, tbt_slo_s=1.0)
+    s.add_decode_node("d1", page_budget=10_000, page_tokens=BS)
+    for r0, r1 in ((0.0, 0.03), (0.0, 0.03), (0.0, 0.03), (0.09, 0.03)):
+        s.handoff_residuals.add("d0", 0, r0, now=0.0)
+        s.handoff_residuals.add("d1", 0, r1, now=0.0)
+    d = s.schedule(req("short", 100, out=2), now=1.0)
+    assert d.decode_node == "d0"
+    assert d.predicted_tbt_s == pytest.approx(0.1)

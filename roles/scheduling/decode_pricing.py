@@ -4,7 +4,10 @@ A reply's mean token interval, as a client scores it, from the decode
 node's predicted step at the load it will have when the request joins,
 scaled by the learned TBT log-ratio, plus the hand-off of its first
 interval and, on a colocated node, the prefill chunks interleaved between
-steps; the decode node with the least such TBT is the request's.  A mixin
+steps.  As for prefill, the choice reads the residuals' medians (the
+decode node with the least typical TBT is the request's) and admission
+their admission quantile (that node's bound is what the SLO is checked
+against).  A mixin
 of Scheduler (scheduler.py), which holds the residual models
 (``tbt_residuals``, ``handoff_residuals``) and ``load_level()`` these
 methods read; nothing here blocks, sleeps or does I/O.
@@ -25,11 +28,14 @@ class DecodePricing(NodeBookings):
         best, tbt, _, _ = self._decode_choice(req, now, join_in_s, None)
         return best, tbt
 
-    def tbt_ratio(self, node: str, now: float, level: int | None = None) -> float:
+    def tbt_ratio(self, node: str, now: float, level: int | None = None,
+                  typical: bool = False) -> float:
         """What the node's predicted step is scaled by at admission:
-        exp(admit_quantile of its TBT log-ratio residuals); 1 with none."""
+        exp(admit_quantile of its TBT log-ratio residuals); 1 with none.
+        ``typical``: by their median instead (what the choice reads)."""
         lvl = self.load_level() if level is None else level
-        return math.exp(self.tbt_residuals.bound(node, lvl, now))
+        r = self.tbt_residuals
+        return math.exp(r.median(node, lvl, now) if typical else r.bound(node, lvl, now))
 
     @staticmethod
     def handoff_key(decode_node: str, prefill_node: str | None) -> str:
@@ -39,14 +45,16 @@ class DecodePricing(NodeBookings):
         return f"{decode_node}~local" if decode_node == prefill_node else decode_node
 
     def handoff_s(self, node: str, now: float, level: int | None = None,
-                  prefill_node: str | None = None) -> float:
+                  prefill_node: str | None = None, typical: bool = False) -> float:
         """What a reply's first interval takes beyond a step on decode node
         ``node`` after a prefill on ``prefill_node``, at admission: the
         admit-quantile of those hand-off residuals (0 with none; never below
-        0, a hand-off cannot be quicker than no hand-off)."""
+        0, a hand-off cannot be quicker than no hand-off).  ``typical``:
+        their median (what the choice reads)."""
         lvl = self.load_level() if level is None else level
         key = self.handoff_key(node, prefill_node)
-        return max(0.0, self.handoff_residuals.bound(key, lvl, now))
+        r = self.handoff_residuals
+        return max(0.0, r.median(key, lvl, now) if typical else r.bound(key, lvl, now))
 
     def _interleaved_prefill_s(self, node: str, now: float, join_in_s: float, step_s: float,
                                output_tokens: int) -> float:
@@ -76,11 +84,13 @@ class DecodePricing(NodeBookings):
     def _decode_choice(self, req: ScheduleRequest, now: float | None = None, join_in_s: float = 0.0,
                        prefill_node: str | None = None
                        ) -> tuple[DecodeNodeState | None, float, float, float]:
-        """Least predicted TBT among live decode nodes with pages for the
+        """Least typical TBT among live decode nodes with pages for the
         request: (node, the mean interval of its reply from the model's
         interval scaled by the node's learned ``tbt_ratio`` plus its
-        hand-off, the model's step, the prefill chunks it adds per interval
-        on a colocated node; the model's interval is the sum of the last two).
+        hand-off, both at the admission quantile, the model's step, the
+        prefill chunks it adds per interval on a colocated node; the model's
+        interval is the sum of the last two).  The node is chosen on the
+        same interval at the residuals' medians.
 
         With `now`, TBT is predicted from the load each node will have when
         the request joins it, `join_in_s` (its predicted TTFT) from now; the
@@ -89,6 +99,7 @@ class DecodePricing(NodeBookings):
         """
         tokens = req.prompt_tokens + req.expected_output_tokens
         best, best_tbt, best_step, best_chunks = None, math.inf, math.inf, 0.0
+        best_typical = math.inf
         for d in self.decode.values():
             chunks = 0.0
             if not d.alive or not d.accepting or d.free_pages < d.pages_for(tokens):
@@ -103,10 +114,14 @@ class DecodePricing(NodeBookings):
                 tbt = self._tbt_at_join(d.node_id, now + join_in_s, req.prompt_tokens)
                 chunks = self._interleaved_prefill_s(d.node_id, now, join_in_s, tbt,
                                                      req.expected_output_tokens)
-            scaled = tbt if now is None else self.mean_interval(
-                tbt + chunks, self.tbt_ratio(d.node_id, now),
-                self.handoff_s(d.node_id, now, prefill_node=prefill_node),
-                req.expected_output_tokens)
-            if scaled < best_tbt:
+            if now is None:
+                scaled = typical = tbt
+            else:
+                scaled, typical = (self.mean_interval(
+                    tbt + chunks, self.tbt_ratio(d.node_id, now, typical=median),
+                    self.handoff_s(d.node_id, now, prefill_node=prefill_node, typical=median),
+                    req.expected_output_tokens) for median in (False, True))
+            if typical < best_typical:
                 best, best_tbt, best_step, best_chunks = d, scaled, tbt, chunks
+                best_typical = typical
         return best, best_tbt, best_step, best_chunks

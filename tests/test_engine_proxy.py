@@ -235,6 +235,40 @@ async def test_refusals_and_engine_errors_are_openai_errors(engines):
         await client.close()
 
 
+async def test_a_prompt_no_engine_can_hold_is_a_400_not_a_429(engines):
+    """A prompt longer than every engine's stated context is refused as bad
+    input; one that fits only some engines goes to one of those."""
+    (short,) = await engines(1, max_model_len=64)
+    (longer,) = await engines(1, max_model_len=128)
+
+    async def too_long_answered(e: InProcessEngine) -> int:
+        async with aiohttp.ClientSession() as s, s.get(e.url + "/debug/aborted") as r:
+            return (await r.json())["too_long_answered"]
+
+    # An SLO no prompt meets: priced as usual, a too-long prompt would be a 429.
+    client = await conductor([short.url, longer.url], ttft_slo_s=0.001)
+    try:
+        for prompt in ("x" * 128, "x" * 300):
+            resp = await client.post("/v1/completions", json={"model": "model", "prompt": prompt})
+            assert resp.status == 400, await resp.text()
+            assert "Retry-After" not in resp.headers
+            err = (await resp.json())["error"]
+            assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+            assert "maximum context length is 128 tokens" in err["message"]
+    finally:
+        await client.close()
+    client = await conductor([short.url, longer.url])
+    try:
+        for _ in range(4):
+            # max_tokens past the room left is the engine's to cap (vLLM does).
+            resp = await client.post("/v1/completions", json={
+                "model": "model", "prompt": "y" * 100, "max_tokens": 40})
+            assert resp.status == 200, await resp.text()
+        assert await too_long_answered(short) == 0 and await too_long_answered(longer) == 0
+    finally:
+        await client.close()
+
+
 async def test_a_client_leaving_cancels_the_engines_request(engines):
     (a,) = await engines(1, token_s=0.05)
     client = await conductor([a.url])

@@ -361,14 +361,27 @@ def _max_tokens(n_prompt: int, opts: _Options, backend: GenerationBackend,
         raise _too_long(n_prompt, limits, param)
     room = backend.max_model_len - n_prompt
     asked = opts.max_tokens
-    if room < 1 or (asked is not None and asked > room):
-        want = n_prompt + (asked if asked is not None else 1)
-        raise ApiError(400, f"This model's maximum context length is {backend.max_model_len} "
-                            f"tokens. However, you requested {want} tokens ({n_prompt} in the "
-                            f"{param}, {want - n_prompt} in the completion). Please reduce the "
-                            f"length of the {param} or of max_tokens.", param=param,
-                       code="context_length_exceeded")
+    error = context_length_error(backend.max_model_len, n_prompt, asked, param)
+    if error is not None:
+        raise error
     return asked if asked is not None else min(limits.max_tokens_default, room)
+
+
+def context_length_error(max_model_len: int, n_prompt: int, max_tokens: int | None,
+                         param: str) -> ApiError | None:
+    """The 400 for a prompt of ``n_prompt`` tokens that leaves no room for
+    one completion token (or for ``max_tokens``, when asked) in a context of
+    ``max_model_len``; None when it fits.  Worded as vLLM and OpenAI word it:
+    clients match on the code."""
+    room = max_model_len - n_prompt
+    if room >= 1 and (max_tokens is None or max_tokens <= room):
+        return None
+    want = n_prompt + (max_tokens if max_tokens is not None else 1)
+    return ApiError(400, f"This model's maximum context length is {max_model_len} "
+                         f"tokens. However, you requested {want} tokens ({n_prompt} in the "
+                         f"{param}, {want - n_prompt} in the completion). Please reduce the "
+                         f"length of the {param} or of max_tokens.", param=param,
+                    code="context_length_exceeded")
 
 
 def _child_seed(seed: int | None, j: int) -> int | None:

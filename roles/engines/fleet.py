@@ -137,6 +137,12 @@ def parse_metrics(text: str) -> EngineMetrics:
     return EngineMetrics(int(running), int(waiting), usage, block_size)
 
 
+def _max_model_len(card: object) -> int | None:
+    """The context length a model card states, if it states a usable one."""
+    n = card.get("max_model_len") if isinstance(card, dict) else None
+    return n if type(n) is int and n > 0 else None
+
+
 class EngineDown(Exception):
     """An engine did not answer as a live engine does (the reason is the message).
     ``refused``: nothing listens there (a process gone), as opposed to a slow
@@ -162,6 +168,9 @@ class Engine:
     failed_polls: int = 0   # in a row
     # Its tokenizer, loaded here and shown to agree with it; None: ask it.
     tokenizer: LocalTokenizer | None = None
+    # The context its model card states (vLLM's ``max_model_len``); None:
+    # not stated, the engine itself answers a prompt too long for it.
+    max_model_len: int | None = None
 
     @property
     def name(self) -> str:
@@ -299,6 +308,7 @@ class EngineFleet:
         for pub in publishers:
             await self.registry.register(pub)
         engine.model, engine.block_size = model, block_size
+        engine.max_model_len = _max_model_len(models["data"][0])
         engine.publishers = [p.key for p in publishers]
         engine.alive, engine.last_metrics = True, metrics
         self.scheduler.add_engine(engine.name)   # a fresh start: no bookings, own fit anew

@@ -45,6 +45,7 @@ from mooncaked.node.context import NodeContext
 from mooncaked.node.errors import ApiError, StartupError, error_body, json_response, read_json
 from roles.conductor.metrics import ConductorMetrics
 from roles.conductor.openai_api import TOKENIZE_IN_THREAD_BYTES
+from roles.conductor.openai_parse import context_length_error
 from roles.engines.fleet import Engine, EngineFleet, EngineSpec, EngineSpecError
 from roles.engines.indexer_api import ENGINES
 from roles.scheduling.config import scheduler_config
@@ -236,6 +237,28 @@ class EngineProxy:
                            param="model", code="model_not_found")
         return engines
 
+    @staticmethod
+    def _fitting(candidates: list[Engine], prompt_tokens: int, chat: bool) -> list[Engine]:
+        """The candidates whose context holds a prompt of ``prompt_tokens``
+        and at least one completion token; a 400 when none does.  Without
+        this a prompt too long for every engine would be priced like any
+        other and, its predicted TTFT over the SLO, answered 429 with a
+        Retry-After: a client would retry for ever what no engine can take.
+        ``max_tokens`` is the engine's to judge (vLLM caps it at the room
+        left rather than refusing)."""
+        param = "messages" if chat else "prompt"
+        fitting, error = [], None
+        for engine in candidates:
+            too_long = None if engine.max_model_len is None else context_length_error(
+                engine.max_model_len, prompt_tokens, None, param)
+            if too_long is None:
+                fitting.append(engine)
+            elif error is None or engine.max_model_len > error[0]:
+                error = (engine.max_model_len, too_long)
+        if not fitting:
+            raise error[1]
+        return fitting
+
     async def _post_json(self, engine: Engine, path: str, body: dict) -> tuple[int, bytes]:
         try:
             async with self.session.post(engine.spec.url + path, json=body,
@@ -308,7 +331,8 @@ class EngineProxy:
         streamed = bool(body.get("stream"))
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            candidates = self._candidates(body)
+            candidates = self._fitting(self._candidates(body), len(tokens) or prompt_tokens,
+                                       chat)
             index = self.fleet.registry.index
             hits = index.prefix_tokens_per_instance(tokens, candidates[0].model) if tokens else {}
             block_size = candidates[0].block_size or 0

@@ -246,17 +246,11 @@ class EngineProxy:
         Retry-After: a client would retry for ever what no engine can take.
         ``max_tokens`` is the engine's to judge (vLLM caps it at the room
         left rather than refusing)."""
-        param = "messages" if chat else "prompt"
-        fitting, error = [], None
-        for engine in candidates:
-            too_long = None if engine.max_model_len is None else context_length_error(
-                engine.max_model_len, prompt_tokens, None, param)
-            if too_long is None:
-                fitting.append(engine)
-            elif error is None or engine.max_model_len > error[0]:
-                error = (engine.max_model_len, too_long)
+        fitting = [e for e in candidates
+                   if e.max_model_len is None or prompt_tokens < e.max_model_len]
         if not fitting:
-            raise error[1]
+            raise context_length_error(max(e.max_model_len for e in candidates), prompt_tokens,
+                                       None, "messages" if chat else "prompt")
         return fitting
 
     async def _post_json(self, engine: Engine, path: str, body: dict) -> tuple[int, bytes]:

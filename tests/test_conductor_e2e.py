@@ -95,9 +95,14 @@ def test_hot_prefix_is_replicated_to_every_prefill_node(mooncake):
         {"prefill-0", "prefill-1", "prefill-2"}, (where, [
             (t["prefill_node"], t["transfer_planned_from"], t["predicted_ttft_s"], t["ttft_s"])
             for t in traces])
-    # Replication happened by pulling, not by recomputing the prefix.
-    assert sum(t["fetched_tokens"] for t in traces) >= 2 * SYSTEM_TOKENS
-    assert all(t["cached_tokens"] >= SYSTEM_TOKENS for t in traces)
+    # Replication happened by pulling the prefix: at least one node got it by
+    # a transfer.  Algorithm 1 may instead recompute it on a third node when
+    # that is priced sooner than a pull queued behind the burst, so at most the
+    # two nodes that did not hold it paid a recompute, once each; every other
+    # request of the bursts reused the whole prefix.
+    assert sum(t["fetched_tokens"] for t in traces) >= SYSTEM_TOKENS
+    recomputed = [t for t in traces if t["cached_tokens"] < SYSTEM_TOKENS]
+    assert len(recomputed) <= 2 and len({t["prefill_node"] for t in recomputed}) == len(recomputed)
 
 
 def test_local_cache_aware_never_transfers_and_reuses_less(local_cluster):

@@ -33,7 +33,8 @@ id, outputs capped at ``--max-output-tokens``, ``--max-requests`` each):
 prompts, ~10% reusable in 128-token blocks over 80 requests, prefill-heavy)
 and ``docs`` (``trace-gen`` seed 2: questions about 8 documents of 1.5k
 tokens, bursty, ~84% reusable); ``chat`` too, though its working set fits
-one engine's cache.  Set-up (done on first use when missing): vLLM's and
+one engine's cache; or any Mooncake-format trace file, read from its first
+request.  Set-up (done on first use when missing): vLLM's and
 aiperf's venvs as ``user_compare``, and ``python -m venv
 ~/.cache/mooncaked-sglang/venv && ~/.cache/mooncaked-sglang/venv/bin/pip
 install sglang-router==0.3.2``.  2 traces x 3 rates x 3 routers take about
@@ -95,8 +96,8 @@ from mooncaked.local_cluster import free_port  # noqa: E402
 from prompt_text import BlockText  # noqa: E402
 from rate_plots import plot_by_rate  # noqa: E402
 from vllm_compare import stop_session  # noqa: E402
-from user_compare import (TraceSlice, aiperf_lines, load_traces, prefix_counters,  # noqa: E402
-                          theoretical_hit_at)
+from user_compare import (TraceSlice, aiperf_lines, is_trace_file, load_traces,  # noqa: E402
+                          prefix_counters, theoretical_hit_at)
 
 ROUTERS = ("mooncaked", "sglang_cache_aware", "round_robin")
 SGLANG_PIN = "sglang-router==0.3.2"
@@ -524,7 +525,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Run it under `nice -n 19` on a shared machine.")
     ap.add_argument("--traces", default="synthetic,docs",
-                    help="comma list of synthetic, chat, docs (user_compare's)")
+                    help="comma list of synthetic, chat, docs (user_compare's), or paths "
+                         "of Mooncake-format trace files (.jsonl)")
     ap.add_argument("--rates", default="1,2,4", help="multiples of each trace's own rate")
     ap.add_argument("--routers", default=",".join(ROUTERS),
                     help="comma list of " + ", ".join(ROUTERS))
@@ -558,7 +560,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     traces = [t.strip() for t in args.traces.split(",") if t.strip()]
     routers = [s.strip() for s in args.routers.split(",") if s.strip()]
-    bad = sorted(set(traces) - {"synthetic", "chat", "docs"}) + sorted(set(routers) - set(ROUTERS))
+    bad = sorted(t for t in set(traces) - {"synthetic", "chat", "docs"} if not is_trace_file(t)) \
+        + sorted(set(routers) - set(ROUTERS))
     if bad or not traces or not routers:
         ap.error(f"unknown or missing trace/router: {', '.join(bad) or '(none)'}")
     try:

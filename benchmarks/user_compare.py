@@ -43,7 +43,8 @@ short prompts, Poisson arrivals, medium outputs, high reuse) and ``docs``
 short outputs, very high reuse).  Each is scaled as ``aiperf_replay`` does
 (``--length-scale`` 1/16: 32 tokens per 512-token hash id; outputs capped at
 ``--max-output-tokens``) and replayed at each ``--rates`` multiple of its own
-rate.
+rate.  Any other Mooncake-format trace runs the same way: give its path in
+``--traces`` (read from its first request, named by its file's stem).
 
 Prompts: aiperf's own synthesis per hash id merges at block joins with a
 small tokenizer, so prompts go to aiperf as literal ``text_input`` built by
@@ -71,7 +72,8 @@ theoretical ratio (an unbounded instant cache over the slice at 32-token
 blocks; in brackets the same in whole blocks of a
 default ``mooncaked up`` (store.block_size), which cannot reuse a shared prefix's last partial
 block), and mooncaked's TTFT mean absolute prediction error over the
-client's TTFT p50.  Writes ``results.json``, ``results.md`` and
+client's TTFT p50.  ``results.md`` also checks issue 30's bars per (trace,
+rate) where mooncaked and vLLM both ran.  Writes ``results.json``, ``results.md`` and
 ``results.png`` under ``--out``, aiperf's artifacts under
 ``--out/aiperf/TRACE/RATE/SERVER/`` (with mooncaked's conductor traces of
 the measured replay in ``slice/conductor_requests.json``).  A benchmark, not a test; figures on a
@@ -213,15 +215,65 @@ def scale_records(raw: list[dict[str, Any]], block_tokens: int, max_output: int,
              "hash_ids": [int(h) + hash_offset for h in r["hash_ids"]]} for r in raw]
 
 
+TRACE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+
+
+def is_trace_file(entry: str) -> bool:
+    """A ``--traces`` entry naming a file rather than a built-in trace."""
+    return entry not in ("synthetic", *GENERATED) and (
+        entry.endswith(".jsonl") or "/" in entry or Path(entry).is_file())
+
+
+def read_trace_file(path: Path) -> list[dict[str, Any]]:
+    """A Mooncake-format trace (one JSON object per line: ``timestamp`` in
+    ms, ``input_length``, ``output_length``, ``hash_ids``), checked line by
+    line: a bad line is an error naming the file and the line, never a
+    traceback half-way through a run."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SystemExit(f"trace {path}: {exc.strerror or exc}") from None
+    lines = []
+    for no, raw in enumerate(text.splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"trace {path}:{no}: not JSON ({exc.msg})") from None
+        missing = [k for k in TRACE_FIELDS if not isinstance(rec, dict) or k not in rec]
+        if missing:
+            raise SystemExit(f"trace {path}:{no}: missing {', '.join(missing)} "
+                             f"(a Mooncake trace line has {', '.join(TRACE_FIELDS)})")
+        ok = (isinstance(rec["timestamp"], (int, float)) and rec["timestamp"] >= 0
+              and isinstance(rec["input_length"], int) and rec["input_length"] > 0
+              and isinstance(rec["output_length"], int) and rec["output_length"] >= 0
+              and isinstance(rec["hash_ids"], list)
+              and all(isinstance(h, int) and h >= 0 for h in rec["hash_ids"]))
+        if not ok:
+            raise SystemExit(f"trace {path}:{no}: timestamp >= 0, input_length > 0, "
+                             f"output_length >= 0 and hash_ids (ints >= 0) expected, got {raw[:200]}")
+        lines.append(rec)
+    if not lines:
+        raise SystemExit(f"trace {path}: no requests")
+    return lines
+
+
 def load_traces(names: list[str], args: argparse.Namespace, block_tokens: int) -> list[TraceSlice]:
     """The named traces, sliced to ``--max-requests`` (+ ``--warmup`` after);
-    generated ones are written under ``--out/traces``."""
+    generated ones are written under ``--out/traces``.  An entry that is a
+    file (``is_trace_file``) is read whole from its first request and named
+    by its stem."""
     out = []
-    for name in names:
-        if name == "synthetic":
+    for entry in names:
+        name = entry
+        if entry == "synthetic":
             lines = [json.loads(x) for x in Path(args.synthetic).read_text().splitlines()
                      if x.strip()]
             lines = lines[args.synthetic_offset:]
+        elif is_trace_file(entry):
+            lines = read_trace_file(Path(entry))
+            name = Path(entry).stem
         else:
             cfg = GENERATED[name]
             lines = generate(cfg)
@@ -411,6 +463,47 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def bars(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 30's bars per (trace, rate) where mooncaked and vLLM both ran:
+    mooncaked's goodput >= vLLM's and its ITL p90 <= vLLM's; >= 90% of the
+    requests it accepted within both SLOs; its TTFT MAE <= 20% of its p50;
+    and, where ``mooncaked_defaults`` ran at 2x the trace's rate or less,
+    its goodput >= 0.95x vLLM's (None: not measured)."""
+    out = []
+    for trace, rate in dict.fromkeys((r["trace"], r["rate_x"]) for r in rows):
+        by = {r["server"]: r for r in rows if r["trace"] == trace and r["rate_x"] == rate}
+        if "mooncaked" not in by or "vllm" not in by:
+            continue
+        m, v, d = by["mooncaked"], by["vllm"], by.get("mooncaked_defaults")
+
+        def cmp(a: Any, b: Any, op) -> bool | None:
+            return None if a is None or b is None else op(a, b)
+
+        out.append({
+            "trace": trace, "rate_x": rate,
+            "goodput_ge_vllm": cmp(m["goodput_rps"], v["goodput_rps"], lambda a, b: a >= b),
+            "itl_p90_le_vllm": cmp(m["itl_p90_ms"], v["itl_p90_ms"], lambda a, b: a <= b),
+            "in_slo_ge_90": cmp(m["in_slo_of_accepted"], 0.9, lambda a, b: a >= b),
+            "prediction_le_20": cmp(m["ttft_mae_of_p50"], 0.2, lambda a, b: a <= b),
+            "defaults_ge_95": None if d is None or rate > 2 else
+            cmp(d["goodput_rps"], v["goodput_rps"], lambda a, b: a >= 0.95 * b)})
+    return out
+
+
+def bars_markdown(checks: list[dict[str, Any]]) -> str:
+    def mark(v: bool | None) -> str:
+        return "-" if v is None else ("yes" if v else "**no**")
+
+    out = ["| trace | rate | goodput >= vLLM's | ITL p90 <= vLLM's | >= 90% of accepted in SLO "
+           "| TTFT MAE <= 20% of p50 | no flags >= 0.95x vLLM's |",
+           "|---|---|---|---|---|---|---|"]
+    for c in checks:
+        out.append(f"| {c['trace']} | {c['rate_x']:g}x | {mark(c['goodput_ge_vllm'])} "
+                   f"| {mark(c['itl_p90_le_vllm'])} | {mark(c['in_slo_ge_90'])} "
+                   f"| {mark(c['prediction_le_20'])} | {mark(c['defaults_ge_95'])} |")
+    return "\n".join(out)
+
+
 def plot(path: Path, rows: list[dict[str, Any]]) -> None:
     plot_by_rate(path, rows, "server",
                  [("goodput_rps", "goodput (req/s in both SLOs)"),
@@ -421,8 +514,12 @@ def plot(path: Path, rows: list[dict[str, Any]]) -> None:
 
 def write_results(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     out.mkdir(parents=True, exist_ok=True)
+    checks = bars(rows)
     table = markdown(rows)
-    (out / "results.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    if checks:
+        table += "\n\nIssue 30's bars (mooncaked against vLLM):\n\n" + bars_markdown(checks)
+    (out / "results.json").write_text(json.dumps({**meta, "rows": rows, "bars": checks},
+                                                 indent=1))
     (out / "results.md").write_text(table + "\n")
     if rows:
         plot(out / "results.png", rows)
@@ -481,7 +578,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Run it under `nice -n 19` on a shared machine.")
     ap.add_argument("--traces", default="synthetic,chat,docs",
-                    help="comma list of synthetic, " + ", ".join(GENERATED))
+                    help="comma list of synthetic, " + ", ".join(GENERATED)
+                    + ", or paths of Mooncake-format trace files (.jsonl)")
     ap.add_argument("--rates", default="1,2,4", help="multiples of each trace's own rate")
     ap.add_argument("--servers", default=",".join(SERVERS), help="comma list of "
                     + ", ".join(SERVERS))
@@ -510,7 +608,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     traces = [t.strip() for t in args.traces.split(",") if t.strip()]
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
-    bad = sorted(set(traces) - {"synthetic", *GENERATED}) + sorted(set(servers) - set(SERVERS))
+    bad = sorted(t for t in set(traces) - {"synthetic", *GENERATED} if not is_trace_file(t)) \
+        + sorted(set(servers) - set(SERVERS))
     if bad or not traces or not servers:
         ap.error(f"unknown or missing trace/server: {', '.join(bad) or '(none)'}")
     try:

@@ -210,6 +210,32 @@ async def test_streams_pass_through_and_the_prefix_holder_is_chosen(engines):
         await client.close()
 
 
+async def test_events_cut_across_reads_pass_through_whole_and_are_read(engines):
+    """The relay forwards the engine's bytes read by read; an event whose
+    line arrives in two reads is still seen (first token, usage) once whole."""
+    (a,) = await engines(1, split_events=True)
+    client = await conductor([a.url])
+    try:
+        for chat in (False, True):
+            path, body = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}) \
+                if chat else ("/v1/completions", {"prompt": "split me"})
+            resp = await client.post(path, json={"model": "model", "max_tokens": 4, "stream": True,
+                                                 **body})
+            assert resp.status == 200
+            events = await sse(resp)
+            assert events[-1] == "[DONE]" and "usage" in events[-2]
+            text = "".join((c.get("delta") or {}).get("content") or c.get("text") or ""
+                           for e in events[:-1] for c in e["choices"])
+            assert text == "t0 t1 t2 t3 "
+        m = client.metric
+        assert m("mooncaked:time_to_first_token_seconds_count") == 2
+        assert m("mooncaked:time_per_output_token_seconds_count") == 2 * 3   # 4 chunks, 3 gaps
+        assert m("mooncaked:generation_tokens_total") == 2 * 4   # from each stream's usage
+        assert m("mooncaked_requests_total", {"status": "ok"}) == 2
+    finally:
+        await client.close()
+
+
 async def test_refusals_and_engine_errors_are_openai_errors(engines):
     (a,) = await engines(1)
     client = await conductor([a.url], ttft_slo_s=0.001)

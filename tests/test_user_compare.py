@@ -5,6 +5,7 @@ and the table built from a fixed aiperf export."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -170,3 +171,59 @@ def test_bench_serve_prefix_line_names_achieved_and_theoretical():
     assert "30.0% of prompt tokens cached" in line and "theoretical 40.0%" in line
     assert line.endswith("achieved / theoretical 0.75")
     assert summarize(ok, Slo(), theoretical_hit_ratio=0.0)["cache_hit_of_theoretical"] is None
+
+
+def test_a_trace_file_is_read_checked_and_named_by_its_stem(tmp_path, capsys):
+    path = tmp_path / "their_trace.jsonl"
+    lines = [{"timestamp": 1000 + 250 * i, "input_length": 1024, "output_length": 40,
+              "hash_ids": [0, 1, 10 + i]} for i in range(12)]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    args = argparse.Namespace(out=tmp_path, max_requests=10, warmup=2, max_output_tokens=32,
+                              max_span=75.0)
+    assert user_compare.is_trace_file(str(path)) and not user_compare.is_trace_file("docs")
+    (t,) = user_compare.load_traces([str(path)], args, block_tokens=32)
+    assert t.name == "their_trace" and len(t.records) == 10 and len(t.warmup) == 2
+    # From its first request; lengths at 32 tokens per 512-token hash id, outputs capped.
+    assert t.records[0] == {"timestamp": 0.0, "input_length": 64, "output_length": 32,
+                            "hash_ids": [0, 1, 10]}
+    assert t.rate_rps == pytest.approx(4.0)
+    # Bad lines name the file and the line, before anything starts.
+    for bad, says in (('{"timestamp": 0, "input_length": 5}', "missing output_length, hash_ids"),
+                      ("not json", "not JSON"),
+                      ('{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}',
+                       "input_length > 0")):
+        path.write_text(json.dumps(lines[0]) + "\n" + bad + "\n")
+        with pytest.raises(SystemExit) as e:
+            user_compare.read_trace_file(path)
+        assert f"{path}:2: " in str(e.value) and says in str(e.value)
+    with pytest.raises(SystemExit, match="No such file"):
+        user_compare.read_trace_file(tmp_path / "absent.jsonl")
+    # The command line takes the path where a built-in name would go.
+    with pytest.raises(SystemExit) as e:
+        user_compare.main(["--traces", f"docs,{tmp_path}/absent.jsonl,sharegpt", "--rates", "0"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "sharegpt" in err and "absent" not in err.split("unknown or missing")[-1]
+
+
+def test_issue_30_bars_compare_with_vllm_at_each_rate():
+    def row(server, rate, goodput, itl, in_slo=1.0, mae=0.1):
+        return {"trace": "t", "rate_x": rate, "server": server, "goodput_rps": goodput,
+                "itl_p90_ms": itl, "in_slo_of_accepted": in_slo, "ttft_mae_of_p50": mae}
+
+    rows = [row("mooncaked", 1, 2.0, 10.0), row("vllm", 1, 2.0, 12.0),
+            row("mooncaked_defaults", 1, 1.9, 11.0),                         # 0.95x: passes
+            row("mooncaked", 2, 3.9, 15.0, in_slo=0.89, mae=0.21), row("vllm", 2, 4.0, 14.0),
+            row("mooncaked_defaults", 2, 3.7, 20.0),                         # 0.925x: fails
+            row("mooncaked", 4, 8.0, 20.0, mae=None), row("vllm", 4, 7.0, 30.0),
+            row("mooncaked_defaults", 4, 1.0, 20.0),                         # above 2x: not judged
+            row("vllm", 8, 9.0, 30.0)]                                       # no mooncaked: no bar
+    checks = user_compare.bars(rows)
+    assert [(c["rate_x"], c["goodput_ge_vllm"], c["itl_p90_le_vllm"], c["in_slo_ge_90"],
+             c["prediction_le_20"], c["defaults_ge_95"]) for c in checks] == [
+        (1, True, True, True, True, True),
+        (2, False, False, False, False, False),
+        (4, True, True, True, None, None)]
+    table = user_compare.bars_markdown(checks).splitlines()
+    assert table[3] == "| t | 2x | **no** | **no** | **no** | **no** | **no** |"
+    assert table[4] == "| t | 4x | yes | yes | yes | - | - |"

@@ -96,8 +96,8 @@ from mooncaked.local_cluster import free_port  # noqa: E402
 from prompt_text import BlockText  # noqa: E402
 from rate_plots import plot_by_rate  # noqa: E402
 from vllm_compare import stop_session  # noqa: E402
-from user_compare import (TraceSlice, aiperf_lines, is_trace_file, load_traces,  # noqa: E402
-                          prefix_counters, theoretical_hit_at)
+from user_compare import (TraceSlice, aiperf_lines, checks_markdown, is_trace_file,  # noqa: E402
+                          load_traces, prefix_counters, theoretical_hit_at)
 
 ROUTERS = ("mooncaked", "sglang_cache_aware", "round_robin")
 SGLANG_PIN = "sglang-router==0.3.2"
@@ -277,18 +277,13 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def bars_markdown(checks: list[dict[str, Any]]) -> str:
-    def mark(v: bool | None) -> str:
-        return "-" if v is None else ("yes" if v else "**no**")
+BARS_31 = [("hit_ge_cache_aware", "hit >= cache_aware"), ("hit_gt_round_robin", "hit > round-robin"),
+           ("goodput_ge_both", "goodput >= both"), ("in_slo_ge_90", ">= 90% of accepted in SLO"),
+           ("prediction_le_25", "TTFT MAE <= 25% of p50")]
 
-    out = ["| trace | rate | hit >= cache_aware | hit > round-robin | goodput >= both "
-           "| >= 90% of accepted in SLO | TTFT MAE <= 25% of p50 |",
-           "|---|---|---|---|---|---|---|"]
-    for c in checks:
-        out.append(f"| {c['trace']} | {c['rate_x']:g}x | {mark(c['hit_ge_cache_aware'])} "
-                   f"| {mark(c['hit_gt_round_robin'])} | {mark(c['goodput_ge_both'])} "
-                   f"| {mark(c['in_slo_ge_90'])} | {mark(c['prediction_le_25'])} |")
-    return "\n".join(out)
+
+def bars_markdown(checks: list[dict[str, Any]]) -> str:
+    return checks_markdown(checks, BARS_31)
 
 
 def plot(path: Path, rows: list[dict[str, Any]]) -> None:

@@ -490,18 +490,28 @@ def bars(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def bars_markdown(checks: list[dict[str, Any]]) -> str:
+BARS_30 = [("goodput_ge_vllm", "goodput >= vLLM's"), ("itl_p90_le_vllm", "ITL p90 <= vLLM's"),
+           ("in_slo_ge_90", ">= 90% of accepted in SLO"),
+           ("prediction_le_20", "TTFT MAE <= 20% of p50"),
+           ("defaults_ge_95", "no flags >= 0.95x vLLM's")]
+
+
+def checks_markdown(checks: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
+    """A table of per-(trace, rate) checks: ``columns`` are (key, heading);
+    True is "yes", False a bold "no", None (not measured) "-"."""
     def mark(v: bool | None) -> str:
         return "-" if v is None else ("yes" if v else "**no**")
 
-    out = ["| trace | rate | goodput >= vLLM's | ITL p90 <= vLLM's | >= 90% of accepted in SLO "
-           "| TTFT MAE <= 20% of p50 | no flags >= 0.95x vLLM's |",
-           "|---|---|---|---|---|---|---|"]
+    out = ["| trace | rate | " + " | ".join(h for _, h in columns) + " |",
+           "|---|---|" + "---|" * len(columns)]
     for c in checks:
-        out.append(f"| {c['trace']} | {c['rate_x']:g}x | {mark(c['goodput_ge_vllm'])} "
-                   f"| {mark(c['itl_p90_le_vllm'])} | {mark(c['in_slo_ge_90'])} "
-                   f"| {mark(c['prediction_le_20'])} | {mark(c['defaults_ge_95'])} |")
+        out.append(f"| {c['trace']} | {c['rate_x']:g}x | "
+                   + " | ".join(mark(c[k]) for k, _ in columns) + " |")
     return "\n".join(out)
+
+
+def bars_markdown(checks: list[dict[str, Any]]) -> str:
+    return checks_markdown(checks, BARS_30)
 
 
 def plot(path: Path, rows: list[dict[str, Any]]) -> None:

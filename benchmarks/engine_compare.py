@@ -65,8 +65,8 @@ prefix on the same engine), and for mooncaked its TTFT
 prediction error: the mean |predicted - measured| over the measured replay
 (from the conductor's ``/admin/status`` ``engines.ttft_error`` counters,
 deltas; measured by the conductor from forwarding to the first token) over
-aiperf's TTFT p50.  ``results.md`` also checks issue 31's bars per (trace,
-rate).  Writes ``results.json``, ``results.md``, ``results.png`` and logs
+aiperf's TTFT p50.  ``results.md`` also states the checks against the
+other two routers per (trace, rate).  Writes ``results.json``, ``results.md``, ``results.png`` and logs
 under ``--out``.  A benchmark, not a test: figures on a shared 2-core
 machine are relative.
 """
@@ -223,7 +223,7 @@ def engine_row(trace: str, rate: float, offered_rps: float, theoretical: float, 
 
 
 def bars(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue 31's bars per (trace, rate) where all three routers ran: mooncaked's
+    """The checks per (trace, rate) where all three routers ran: mooncaked's
     hit ratio >= cache_aware's and > round-robin's; its goodput >= both; >= 90%
     of its accepted requests in both SLOs; its TTFT MAE <= 25% of its p50."""
     out = []
@@ -297,7 +297,7 @@ def plot(path: Path, rows: list[dict[str, Any]]) -> None:
 def write_results(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     out.mkdir(parents=True, exist_ok=True)
     checks = bars(rows)
-    table = markdown(rows) + "\n\nIssue 31's bars (mooncaked against the other two):\n\n" \
+    table = markdown(rows) + "\n\nChecks, mooncaked against the other two:\n\n" \
         + bars_markdown(checks)
     (out / "results.json").write_text(json.dumps({**meta, "rows": rows, "bars": checks},
                                                  indent=1))

@@ -72,8 +72,8 @@ theoretical ratio (an unbounded instant cache over the slice at 32-token
 blocks; in brackets the same in whole blocks of a
 default ``mooncaked up`` (store.block_size), which cannot reuse a shared prefix's last partial
 block), and mooncaked's TTFT mean absolute prediction error over the
-client's TTFT p50.  ``results.md`` also checks issue 30's bars per (trace,
-rate) where mooncaked and vLLM both ran.  Writes ``results.json``, ``results.md`` and
+client's TTFT p50.  ``results.md`` ends with the checks against vLLM per (trace,
+rate) where mooncaked and vLLM both ran (``bars``).  Writes ``results.json``, ``results.md`` and
 ``results.png`` under ``--out``, aiperf's artifacts under
 ``--out/aiperf/TRACE/RATE/SERVER/`` (with mooncaked's conductor traces of
 the measured replay in ``slice/conductor_requests.json``).  A benchmark, not a test; figures on a
@@ -268,9 +268,7 @@ def load_traces(names: list[str], args: argparse.Namespace, block_tokens: int) -
     for entry in names:
         name = entry
         if entry == "synthetic":
-            lines = [json.loads(x) for x in Path(args.synthetic).read_text().splitlines()
-                     if x.strip()]
-            lines = lines[args.synthetic_offset:]
+            lines = read_trace_file(Path(args.synthetic))[args.synthetic_offset:]
         elif is_trace_file(entry):
             lines = read_trace_file(Path(entry))
             name = Path(entry).stem
@@ -464,21 +462,20 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def bars(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue 30's bars per (trace, rate) where mooncaked and vLLM both ran:
+    """The checks against vLLM per (trace, rate) where mooncaked and vLLM both ran:
     mooncaked's goodput >= vLLM's and its ITL p90 <= vLLM's; >= 90% of the
     requests it accepted within both SLOs; its TTFT MAE <= 20% of its p50;
     and, where ``mooncaked_defaults`` ran at 2x the trace's rate or less,
     its goodput >= 0.95x vLLM's (None: not measured)."""
+    def cmp(a: Any, b: Any, op) -> bool | None:
+        return None if a is None or b is None else op(a, b)
+
     out = []
     for trace, rate in dict.fromkeys((r["trace"], r["rate_x"]) for r in rows):
         by = {r["server"]: r for r in rows if r["trace"] == trace and r["rate_x"] == rate}
         if "mooncaked" not in by or "vllm" not in by:
             continue
         m, v, d = by["mooncaked"], by["vllm"], by.get("mooncaked_defaults")
-
-        def cmp(a: Any, b: Any, op) -> bool | None:
-            return None if a is None or b is None else op(a, b)
-
         out.append({
             "trace": trace, "rate_x": rate,
             "goodput_ge_vllm": cmp(m["goodput_rps"], v["goodput_rps"], lambda a, b: a >= b),
@@ -527,7 +524,7 @@ def write_results(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -
     checks = bars(rows)
     table = markdown(rows)
     if checks:
-        table += "\n\nIssue 30's bars (mooncaked against vLLM):\n\n" + bars_markdown(checks)
+        table += "\n\nChecks, mooncaked against vLLM:\n\n" + bars_markdown(checks)
     (out / "results.json").write_text(json.dumps({**meta, "rows": rows, "bars": checks},
                                                  indent=1))
     (out / "results.md").write_text(table + "\n")

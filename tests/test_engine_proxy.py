@@ -211,8 +211,8 @@ async def test_streams_pass_through_and_the_prefix_holder_is_chosen(engines):
 
 
 async def test_events_cut_across_reads_pass_through_whole_and_are_read(engines):
-    """The relay forwards the engine's bytes read by read; an event whose
-    line arrives in two reads is still seen (first token, usage) once whole."""
+    """An event whose line reaches the conductor in two reads is passed on
+    whole and seen (first token, usage) as one line."""
     (a,) = await engines(1, split_events=True)
     client = await conductor([a.url])
     try:

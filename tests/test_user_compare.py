@@ -206,7 +206,7 @@ def test_a_trace_file_is_read_checked_and_named_by_its_stem(tmp_path, capsys):
     assert "sharegpt" in err and "absent" not in err.split("unknown or missing")[-1]
 
 
-def test_issue_30_bars_compare_with_vllm_at_each_rate():
+def test_checks_compare_with_vllm_at_each_rate():
     def row(server, rate, goodput, itl, in_slo=1.0, mae=0.1):
         return {"trace": "t", "rate_x": rate, "server": server, "goodput_rps": goodput,
                 "itl_p90_ms": itl, "in_slo_of_accepted": in_slo, "ttft_mae_of_p50": mae}

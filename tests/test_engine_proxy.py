@@ -153,8 +153,15 @@ def test_engine_specs_and_metrics_parse():
                       'vllm:num_requests_running{engine="1"} 1.0\n'
                       'vllm:num_requests_waiting{engine="0"} 3.0\n'
                       'vllm:kv_cache_usage_perc{engine="0"} 0.25\n'
-                      'vllm:cache_config_info{_block_size_resolved="True",block_size="128"} 1.0\n')
-    assert (m.running, m.waiting, m.kv_usage, m.block_size) == (3, 3, 0.25, 128)
+                      'vllm:cache_config_info{_block_size_resolved="True",block_size="128",'
+                      'engine="0",num_gpu_blocks="64"} 1.0\n'
+                      'vllm:cache_config_info{block_size="128",engine="1",'
+                      'num_gpu_blocks="32"} 1.0\n')
+    assert (m.running, m.waiting, m.kv_usage, m.block_size, m.num_blocks) == \
+        (3, 3, 0.25, 128, 96)
+    # Before vLLM has sized its cache the label reads "None": not a size.
+    assert parse_metrics('vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1\n'
+                         ).num_blocks is None
 
 
 async def test_streams_pass_through_and_the_prefix_holder_is_chosen(engines):

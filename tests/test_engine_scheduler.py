@@ -227,3 +227,58 @@ def test_new_prefixes_spread_over_engines_priced_alike():
     assert picks == ["a", "b", "a", "b"]
     # A prompt one engine holds part of is no tie: the holder wins.
     assert sched.schedule("held", 100, {"b": 50}, now=5.0).engine == "b"
+
+
+def _full_engines(sched: EngineScheduler, reuse_prompts: int = 4) -> None:
+    """Both engines' caches hold at most 20 blocks of 100 tokens; first
+    ``reuse_prompts`` routed prompts of 1000 tokens, 800 of them held by
+    some engine (stated as a's hits, a holding 20 blocks): a reuse share of
+    0.8."""
+    for name in ("a", "b"):
+        sched.on_metrics(name, running=0, waiting=0, kv_usage=0.0, now=0.0, capacity_blocks=20)
+    for i in range(reuse_prompts):
+        d = sched.schedule(f"seen{i}", 1000, {"a": 800}, now=10.0 * i, block_size=100,
+                           cached_blocks={"a": 20, "b": 20})
+        sched.on_first_token(d.engine, d.request_id, now=10.0 * i + 0.2)
+        sched.on_finished(d.engine, d.request_id, now=10.0 * i + 0.3)
+    assert sched.reuse.share() == pytest.approx(0.8)
+
+
+def test_a_copy_that_evicts_cached_work_needs_a_larger_ttft_gain():
+    # Engine a is busy for 1.2 s (6000 tokens, 4800 of them held: the reuse
+    # share stays 0.8) and holds 10 of the prompt's 12 blocks: 1.2 + 0.2 s.
+    # Engine b is idle and computes all 1200 tokens: 1.2 s, the shorter
+    # TTFT.  But b's cache is full (20 of 20): its 12 new blocks evict 12
+    # cached ones, 0.8 * 1200 tokens * 1 ms = 0.96 s of recompute later,
+    # 2.16 s in all; a stores 2 new blocks into a full cache, 0.16 s: 1.56 s.
+    sched = make()
+    _full_engines(sched)
+    sched.schedule("busy-a", 6000, {"a": 4800}, now=100.0, among={"a"})
+    d = sched.schedule("doc", 1200, {"a": 1000}, now=100.0, block_size=100,
+                       cached_blocks={"a": 20, "b": 20})
+    assert d.engine == "a"
+    assert d.predicted_ttft_s == pytest.approx(1.4)
+    assert d.eviction_s == pytest.approx(0.16)
+    # With room at b (8 of 20 blocks held) the copy evicts nothing: b's
+    # 1.2 s against a's 1.4 s and more.
+    sched.on_failed("a", "doc", now=100.0)
+    d = sched.schedule("doc2", 1200, {"a": 1000}, now=100.0, block_size=100,
+                       cached_blocks={"a": 20, "b": 8})
+    assert (d.engine, d.eviction_s) == ("b", 0.0)
+
+
+def test_eviction_counts_blocks_still_being_computed_and_needs_a_size():
+    sched = make()
+    _full_engines(sched)
+    a = sched.engines["a"]
+    # 15 of 20 blocks reported; a booked 1000-token prompt will store 10
+    # more: a 500-token prompt's 5 new blocks evict 5.  Reuse share: 3200
+    # held of 5000 routed (the four seen and "queued"): 0.64 * 500 ms.
+    sched.schedule("queued", 1000, {}, now=100.0, among={"a"}, block_size=100,
+                   cached_blocks={"a": 15, "b": 0})
+    assert sched.eviction_s(a, 500, 0, 100, 15) == pytest.approx(0.32)
+    # Unknown cache size: nothing is priced.
+    sched.engines["b"].capacity_blocks = None
+    assert sched.eviction_s(sched.engines["b"], 500, 0, 100, 20) == 0.0
+    assert sched.eviction_s(a, 500, 0, 100, None) == 0.0
+    assert sched.status(now=100.0)["engines"]["a"]["capacity_blocks"] == 20

@@ -102,19 +102,24 @@ class EngineMetrics:
     waiting: int
     kv_usage: float
     block_size: int | None
+    # Blocks its KV cache holds, summed over DP ranks (None: not stated).
+    num_blocks: int | None = None
 
 
 _SAMPLE = re.compile(r'^([A-Za-z_:][\w:]*)(\{[^}]*\})?\s+(\S+)')
 _BLOCK_SIZE = re.compile(r'(?:^|[{,])block_size="(\d+)"')
+_NUM_BLOCKS = re.compile(r'(?:^|[{,])num_gpu_blocks="(\d+)"')
 
 
 def parse_metrics(text: str) -> EngineMetrics:
     """vLLM's Prometheus names: vllm:num_requests_running / _waiting (gauges
     per DP engine, summed), vllm:kv_cache_usage_perc (0..1, the fullest
-    rank), vllm:cache_config_info's block_size label."""
+    rank), vllm:cache_config_info's block_size and num_gpu_blocks labels
+    (one sample per DP rank: the blocks are summed)."""
     running = waiting = 0.0
     usage = 0.0
     block_size = None
+    num_blocks: int | None = None
     for line in text.splitlines():
         m = _SAMPLE.match(line)
         if m is None:
@@ -134,7 +139,10 @@ def parse_metrics(text: str) -> EngineMetrics:
             b = _BLOCK_SIZE.search(labels)
             if b:
                 block_size = int(b.group(1))
-    return EngineMetrics(int(running), int(waiting), usage, block_size)
+            n = _NUM_BLOCKS.search(labels)
+            if n:
+                num_blocks = (num_blocks or 0) + int(n.group(1))
+    return EngineMetrics(int(running), int(waiting), usage, block_size, num_blocks)
 
 
 def _max_model_len(card: object) -> int | None:
@@ -214,6 +222,12 @@ class EngineFleet:
     def live(self) -> list[Engine]:
         return [e for e in self.engines.values() if e.alive]
 
+    def cached_blocks(self, engine: Engine) -> int:
+        """Blocks the engine's KV events say it holds now (all its publishers)."""
+        index = self.registry.index
+        return sum(index.blocks_of(k) for k in engine.publishers
+                   if index.publisher(k) is not None)
+
     def status(self) -> list[dict]:
         return [{"name": e.name, "url": e.spec.url, "alive": e.alive, "model": e.model,
                  "block_size": e.block_size, "deaths": e.deaths,
@@ -283,7 +297,8 @@ class EngineFleet:
         m = parse_metrics(await self._get(engine, "/metrics", json=False))
         engine.last_metrics = m
         now = time.monotonic()
-        self.scheduler.on_metrics(engine.name, m.running, m.waiting, m.kv_usage, now)
+        self.scheduler.on_metrics(engine.name, m.running, m.waiting, m.kv_usage, now,
+                                  capacity_blocks=m.num_blocks)
         # Only a publisher that is probed (it has a replay endpoint) is stale
         # for a reason other than idleness: an idle engine without one would
         # go stale, never be chosen, and so never publish again.
@@ -313,7 +328,8 @@ class EngineFleet:
         engine.alive, engine.last_metrics = True, metrics
         self.scheduler.add_engine(engine.name)   # a fresh start: no bookings, own fit anew
         self.scheduler.on_metrics(engine.name, metrics.running, metrics.waiting,
-                                  metrics.kv_usage, time.monotonic())
+                                  metrics.kv_usage, time.monotonic(),
+                                  capacity_blocks=metrics.num_blocks)
         log.info("engine %s is up: model %s, block size %d, publishers %s", engine.name, model,
                  block_size, [p.endpoint for p in publishers])
 

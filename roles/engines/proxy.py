@@ -335,7 +335,9 @@ class EngineProxy:
             decision = self.scheduler.schedule(request_id, prompt_tokens, hits, scheduled_at,
                                                streamed=streamed,
                                                among={e.name for e in candidates},
-                                               block_keys=keys, block_size=block_size)
+                                               block_keys=keys, block_size=block_size,
+                                               cached_blocks={e.name: self.fleet.cached_blocks(e)
+                                                              for e in candidates})
             if isinstance(decision, Rejection):
                 self.metrics.rejected(decision.reason)
                 error = rejection_error(decision)

@@ -17,12 +17,15 @@ every live engine, never a transfer.  Per live, non-stale engine:
 - the residual: ResidualModel keyed by engine and load level, the same
   model the conductor keeps for its own nodes.
 
-The engine with the least predicted TTFT among those that admit the request
-wins: admitted when model + the admission-quantile residual <= TTFT SLO and
-its predicted TBT (its DecodeEstimator at its running batch + 1) <= TBT SLO.
-Hot prefixes spill by this pricing alone: once the holder's queue costs more
-than recomputing the prefix elsewhere, another engine wins and caches it
-(the paper's Section 6.2, replication by demand).
+Among the engines that admit the request (model + the admission-quantile
+residual <= TTFT SLO, and its predicted TBT, its DecodeEstimator at its
+running batch + 1, <= TBT SLO) the one with the least predicted TTFT plus
+the cost of what its blocks would evict there (cache_pressure.py; zero
+while the engine's cache has room, or its size is unknown) wins.  Hot
+prefixes spill by this pricing alone: once the holder's queue costs more
+than recomputing the prefix elsewhere and the cached work the copy pushes
+out, another engine wins and caches it (the paper's Section 6.2,
+replication by demand).
 
 Nothing here does I/O or reads a clock: ``now`` is always an argument.
 """
@@ -36,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Collection, Mapping, NamedTuple, Sequence
 
 from .attainment import AdmissionQuantile, met_slos
+from .cache_pressure import ReuseShare, blocks_evicted, eviction_seconds, new_blocks
 from .config import SchedulerConfig
 from .estimators import DecodeEstimator, PrefillEstimator
 from .residuals import ResidualModel, load_level
@@ -59,6 +63,14 @@ class EngineDecision(NamedTuple):
     predicted_tbt_s: float
     t_queue: float
     t_prefill: float
+    # Expected seconds later requests spend recomputing what this request's
+    # blocks evict at the engine (chosen on, not admitted on).
+    eviction_s: float = 0.0
+
+    @property
+    def cost_s(self) -> float:
+        """What the choice between engines minimises."""
+        return self.predicted_ttft_s + self.eviction_s
 
 
 @dataclass
@@ -76,6 +88,8 @@ class _Request:
     # Chained keys of its prompt's full blocks (any block size the caller
     # keeps to): what the engine will hold once it has prefilled it.
     block_keys: tuple[int, ...] = ()
+    # Full blocks it stores at the engine that the engine did not hold.
+    new_blocks: int = 0
     first_token_at: float | None = None
     ttft_s: float | None = None   # measured, once its first token came back
     batch: int = 0           # the engine's running batch when it started decoding
@@ -102,6 +116,8 @@ class EngineState:
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
+    # Blocks its prefix cache holds at most (None: not reported).
+    capacity_blocks: int | None = None
     metrics_at: float | None = None
     # Requests at the engine that others sent: counted at the last metrics
     # report as its figures less ours.
@@ -136,6 +152,7 @@ class EngineScheduler:
         self.admission = AdmissionQuantile(config.admit_quantile, config.slo_attainment)
         self.ttft_residuals.quantile = self.admission.quantile
         self.recent_prompts: deque[int] = deque(maxlen=RECENT_PROMPTS)
+        self.reuse = ReuseShare()
         self.rejections: dict[str, int] = {}
         self._ttft_errors = [0, 0.0, 0.0]  # count, sum, sum of |predicted - actual|
 
@@ -211,7 +228,8 @@ class EngineScheduler:
     def schedule(self, request_id: str, prompt_tokens: int, prefix_tokens: Mapping[str, int],
                  now: float, streamed: bool = True,
                  among: Collection[str] | None = None,
-                 block_keys: Sequence[int] = (), block_size: int = 0
+                 block_keys: Sequence[int] = (), block_size: int = 0,
+                 cached_blocks: Mapping[str, int] | None = None
                  ) -> EngineDecision | Rejection:
         """Book ``request_id`` on the engine with the least predicted TTFT
         that admits it, or refuse it.  ``prefix_tokens``: leading prompt
@@ -221,12 +239,16 @@ class EngineScheduler:
         None: all); ``block_keys``: chained keys of the prompt's full blocks
         of ``block_size`` tokens, with which a request queued behind one
         still prefilling its prefix at an engine is priced as reusing it
-        there (``pending_prefix_tokens``)."""
+        there (``pending_prefix_tokens``); ``cached_blocks``: blocks of
+        ``block_size`` tokens each engine's cache holds now (its KV events),
+        with which what the request's blocks would evict there is priced
+        (engines missing from it: not priced)."""
         if prompt_tokens <= 0:
             raise ValueError("prompt_tokens must be > 0")
         cfg = self.config
         best: tuple[EngineDecision, int, float] | None = None
         refused: tuple[str, EngineDecision, float] | None = None
+        held_by: dict[str, int] = {}
         for name, state in self.engines.items():
             if not state.alive or state.stale or (among is not None and name not in among):
                 continue
@@ -235,12 +257,16 @@ class EngineScheduler:
                        self.pending_prefix_tokens(state, block_keys, block_size))
             # At least the last prompt token is computed: it makes the first output token.
             prefix = max(0, min(held, prompt_tokens - 1))
+            held_by[name] = held
             t_queue = self.queue_s(state, now, prompt_tokens)
             t_prefill = self.estimator_for(state).seconds(prompt_tokens, prefix)
             model = t_queue + t_prefill
             ttft = model + self.ttft_residuals.median(name, level, now)
             tbt = self.tbt_s(state, prompt_tokens)
-            decision = EngineDecision(request_id, name, prefix, ttft, tbt, t_queue, t_prefill)
+            cached = None if cached_blocks is None else cached_blocks.get(name)
+            eviction = self.eviction_s(state, prompt_tokens, held, block_size, cached)
+            decision = EngineDecision(request_id, name, prefix, ttft, tbt, t_queue, t_prefill,
+                                      eviction)
             limit = self.ttft_admit_limit(name, level, now)
             if cfg.reject and ttft > limit:
                 why = ("ttft_slo", decision, limit)
@@ -252,6 +278,7 @@ class EngineScheduler:
                 continue
             if refused is None or ttft < refused[1].predicted_ttft_s:
                 refused = why
+        self.reuse.add(prompt_tokens, max(held_by.values(), default=0))
         if best is None:
             if refused is None:
                 return self._reject(request_id, "no_engine", math.inf, math.inf, 1.0)
@@ -260,20 +287,35 @@ class EngineScheduler:
             return self._reject(request_id, reason, d.predicted_ttft_s, d.predicted_tbt_s,
                                 retry, limit)
         decision, level, model = best
-        self._book(decision, prompt_tokens, level, model, now, streamed, tuple(block_keys))
+        new = new_blocks(prompt_tokens, held_by[decision.engine], block_size) \
+            if block_size > 0 else 0
+        self._book(decision, prompt_tokens, level, model, now, streamed, tuple(block_keys), new)
         return decision
 
+    def eviction_s(self, state: EngineState, prompt_tokens: int, held_tokens: int,
+                   block_size: int, cached_blocks: int | None) -> float:
+        """Expected recompute later requests pay for what this prompt's new
+        blocks evict at ``state`` (cache_pressure.py).  Its cache holds what
+        its events reported plus the new blocks of our requests still
+        queued or prefilling there (not reported until computed)."""
+        if state.capacity_blocks is None or cached_blocks is None or block_size <= 0:
+            return 0.0
+        storing = new_blocks(prompt_tokens, held_tokens, block_size)
+        pending = sum(state.requests[rid].new_blocks for rid in state.queue.pending)
+        evicted = blocks_evicted(state.capacity_blocks, cached_blocks + pending, storing)
+        return eviction_seconds(self.estimator_for(state), evicted, block_size,
+                                self.reuse.share(), self.typical_prompt(prompt_tokens))
+
     def _before(self, d: EngineDecision, state: EngineState, best: EngineDecision) -> bool:
-        """``d`` beats ``best``: a shorter predicted TTFT.  For a prompt
-        neither holds any of, predictions within TIE_SHARE of each other
-        (their fits differ by less than they err) are a tie, won by fewer
-        requests in flight, then by the engine chosen longest ago: new
+        """``d`` beats ``best``: a lower cost (predicted TTFT + eviction).
+        For a prompt neither holds any of, costs within TIE_SHARE of each
+        other (their fits differ by less than they err) are a tie, won by
+        fewer requests in flight, then by the engine chosen longest ago: new
         prefixes spread over the engines' caches instead of filling one."""
         cold = d.prefix_tokens == 0 and best.prefix_tokens == 0
-        near = abs(d.predicted_ttft_s - best.predicted_ttft_s) \
-            <= TIE_SHARE * min(d.predicted_ttft_s, best.predicted_ttft_s)
+        near = abs(d.cost_s - best.cost_s) <= TIE_SHARE * min(d.cost_s, best.cost_s)
         if not (cold and near):
-            return d.predicted_ttft_s < best.predicted_ttft_s
+            return d.cost_s < best.cost_s
         other = self.engines[best.engine]
         return (state.in_flight(), state.chosen_at) < (other.in_flight(), other.chosen_at)
 
@@ -303,7 +345,8 @@ class EngineScheduler:
         return best * block_size
 
     def _book(self, d: EngineDecision, prompt_tokens: int, level: int, model: float,
-              now: float, streamed: bool, block_keys: tuple[int, ...] = ()) -> None:
+              now: float, streamed: bool, block_keys: tuple[int, ...] = (),
+              new_blocks: int = 0) -> None:
         state = self.engines[d.engine]
         state.chosen_at = now
         by_prior = not self.estimator_for(state).fitted_since_fork()
@@ -315,7 +358,7 @@ class EngineScheduler:
                                                priced_by_prior=by_prior)
         state.requests[d.request_id] = _Request(prompt_tokens, d.prefix_tokens, now, model,
                                                 d.predicted_ttft_s, level, prior_in_ttft, streamed,
-                                                block_keys)
+                                                block_keys, new_blocks)
         self.recent_prompts.append(prompt_tokens)
 
     def _reject(self, request_id: str, reason: str, ttft: float, tbt: float, retry: float,
@@ -388,12 +431,16 @@ class EngineScheduler:
             state.queue.pending.pop(request_id, None)
 
     def on_metrics(self, engine: str, running: int, waiting: int, kv_usage: float,
-                   now: float) -> None:
+                   now: float, capacity_blocks: int | None = None) -> None:
         """The engine's own load figures (all its clients).  What exceeds the
-        requests this scheduler has there is other clients' work."""
+        requests this scheduler has there is other clients' work.
+        ``capacity_blocks``: the most blocks its prefix cache holds, where
+        it says."""
         state = self.engines.get(engine)
         if state is None:
             return
+        if capacity_blocks is not None:
+            state.capacity_blocks = capacity_blocks
         state.running, state.waiting, state.kv_usage, state.metrics_at = \
             running, waiting, kv_usage, now
         queued = len(state.queue.pending)
@@ -414,13 +461,14 @@ class EngineScheduler:
                 "alive": s.alive, "stale": s.stale, "booked": len(s.queue.pending),
                 "decoding": s.ours_decoding(), "running": s.running, "waiting": s.waiting,
                 "kv_usage": s.kv_usage, "foreign_running": s.foreign_running,
-                "foreign_waiting": s.foreign_waiting,
+                "foreign_waiting": s.foreign_waiting, "capacity_blocks": s.capacity_blocks,
                 "queue_s": round(s.queue.queue_time(now), 6),
                 "own_prefill_fit": s.prefill_est.fitted_since_fork(),
                 "prefill_coeffs": getattr(est, "coeffs", None),
                 "decode_coeffs": [s.decode_est.c0, s.decode_est.c_batch, s.decode_est.c_ctx],
                 "decode_scale": s.decode_est.scale}
         return {"engines": engines, "rejections": dict(self.rejections),
+                "reuse_share": round(self.reuse.share(), 4),
                 "ttft_error": {"count": n, "mean_s": total / n if n else 0.0,
                                "mean_abs_s": total_abs / n if n else 0.0},
                 "ttft_residuals": {k: dataclasses.asdict(v)

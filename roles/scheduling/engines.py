@@ -35,15 +35,15 @@ import copy
 import dataclasses
 import math
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Collection, Mapping, NamedTuple, Sequence
+from typing import Collection, Mapping, Sequence
 
 from .attainment import AdmissionQuantile, met_slos
 from .cache_pressure import ReuseShare, blocks_evicted, eviction_seconds, new_blocks
 from .config import SchedulerConfig
+from .engine_state import EngineDecision, EngineRequest, EngineState
 from .estimators import DecodeEstimator, PrefillEstimator
 from .residuals import ResidualModel, load_level
-from .state import PendingPrefill, PrefillNodeState, Rejection
+from .state import PendingPrefill, Rejection
 
 # For a prompt no engine holds, predicted TTFTs within this share of each
 # other are a tie (broken by load, then by turn).
@@ -51,89 +51,6 @@ TIE_SHARE = 0.1
 # Prompt lengths of recently routed requests: what a request another client
 # sent is priced as (its prompt is not known to us).
 RECENT_PROMPTS = 64
-
-
-class EngineDecision(NamedTuple):
-    """Where a request goes, with the parts of its predicted TTFT."""
-
-    request_id: str
-    engine: str
-    prefix_tokens: int
-    predicted_ttft_s: float
-    predicted_tbt_s: float
-    t_queue: float
-    t_prefill: float
-    # Expected seconds later requests spend recomputing what this request's
-    # blocks evict at the engine (chosen on, not admitted on).
-    eviction_s: float = 0.0
-
-    @property
-    def cost_s(self) -> float:
-        """What the choice between engines minimises."""
-        return self.predicted_ttft_s + self.eviction_s
-
-
-@dataclass
-class _Request:
-    """One request of ours at an engine, from booking until it finishes."""
-
-    prompt_tokens: int
-    prefix_tokens: int
-    sent_at: float
-    model_ttft_s: float      # the cost model's TTFT, before the residual
-    predicted_ttft_s: float  # with the median residual: what the choice was made on
-    level: int               # the engine's load level when booked
-    priced_by_prior: bool    # it or work booked ahead of it priced by an unfitted prior
-    observed: bool           # its first token will be seen (a streamed response)
-    # Chained keys of its prompt's full blocks (any block size the caller
-    # keeps to): what the engine will hold once it has prefilled it.
-    block_keys: tuple[int, ...] = ()
-    # Full blocks it stores at the engine that the engine did not hold.
-    new_blocks: int = 0
-    first_token_at: float | None = None
-    ttft_s: float | None = None   # measured, once its first token came back
-    batch: int = 0           # the engine's running batch when it started decoding
-    context_tokens: int = 0
-
-
-@dataclass
-class EngineState:
-    """The scheduler's view of one engine.
-
-    Invariant: ``queue.pending`` holds exactly the requests of ``requests``
-    with no first token yet (what is queued or prefilling there), in the
-    order they were booked.
-    """
-
-    name: str
-    prefill_est: PrefillEstimator
-    decode_est: DecodeEstimator
-    alive: bool = True
-    stale: bool = False
-    queue: PrefillNodeState = field(init=False)
-    requests: dict[str, _Request] = field(default_factory=dict)
-    # From the engine's /metrics (all clients): requests running / waiting, KV use.
-    running: int = 0
-    waiting: int = 0
-    kv_usage: float = 0.0
-    # Blocks its prefix cache holds at most (None: not reported).
-    capacity_blocks: int | None = None
-    metrics_at: float | None = None
-    # Requests at the engine that others sent: counted at the last metrics
-    # report as its figures less ours.
-    foreign_running: int = 0
-    foreign_waiting: int = 0
-    last_first_token_at: float = -math.inf
-    chosen_at: float = -math.inf
-
-    def __post_init__(self) -> None:
-        self.queue = PrefillNodeState(self.name)
-
-    def ours_decoding(self) -> int:
-        return sum(1 for r in self.requests.values() if r.first_token_at is not None)
-
-    def in_flight(self) -> int:
-        return len(self.requests) + self.foreign_running + self.foreign_waiting
 
 
 class EngineScheduler:
@@ -356,7 +273,7 @@ class EngineScheduler:
         prior_in_ttft = by_prior or any(p.priced_by_prior for p in pending.values())
         pending[d.request_id] = PendingPrefill(d.t_prefill, now, expected_start=now + d.t_queue,
                                                priced_by_prior=by_prior)
-        state.requests[d.request_id] = _Request(prompt_tokens, d.prefix_tokens, now, model,
+        state.requests[d.request_id] = EngineRequest(prompt_tokens, d.prefix_tokens, now, model,
                                                 d.predicted_ttft_s, level, prior_in_ttft, streamed,
                                                 block_keys, new_blocks)
         self.recent_prompts.append(prompt_tokens)
@@ -368,7 +285,7 @@ class EngineScheduler:
         return Rejection(request_id, reason, ttft, tbt, retry, limit)
 
     # ---- feedback ------------------------------------------------------
-    def _started(self, state: EngineState, request_id: str, now: float) -> _Request | None:
+    def _started(self, state: EngineState, request_id: str, now: float) -> EngineRequest | None:
         """Move a request from the queue to decoding at ``now``."""
         req = state.requests.get(request_id)
         if req is None or req.first_token_at is not None:

@@ -1,0 +1,95 @@
+"""What the engine scheduler knows of one engine and of each request it sent there.
+
+EngineScheduler (engines.py) owns these; nothing here decides anything.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from .estimators import DecodeEstimator, PrefillEstimator
+from .state import PrefillNodeState
+
+
+class EngineDecision(NamedTuple):
+    """Where a request goes, with the parts of its predicted TTFT."""
+
+    request_id: str
+    engine: str
+    prefix_tokens: int
+    predicted_ttft_s: float
+    predicted_tbt_s: float
+    t_queue: float
+    t_prefill: float
+    # Expected seconds later requests spend recomputing what this request's
+    # blocks evict at the engine (chosen on, not admitted on).
+    eviction_s: float = 0.0
+
+    @property
+    def cost_s(self) -> float:
+        """What the choice between engines minimises."""
+        return self.predicted_ttft_s + self.eviction_s
+
+
+@dataclass
+class EngineRequest:
+    """One request of ours at an engine, from booking until it finishes."""
+
+    prompt_tokens: int
+    prefix_tokens: int
+    sent_at: float
+    model_ttft_s: float      # the cost model's TTFT, before the residual
+    predicted_ttft_s: float  # with the median residual: what the choice was made on
+    level: int               # the engine's load level when booked
+    priced_by_prior: bool    # it or work booked ahead of it priced by an unfitted prior
+    observed: bool           # its first token will be seen (a streamed response)
+    # Chained keys of its prompt's full blocks (any block size the caller
+    # keeps to): what the engine will hold once it has prefilled it.
+    block_keys: tuple[int, ...] = ()
+    # Full blocks it stores at the engine that the engine did not hold.
+    new_blocks: int = 0
+    first_token_at: float | None = None
+    ttft_s: float | None = None   # measured, once its first token came back
+    batch: int = 0           # the engine's running batch when it started decoding
+    context_tokens: int = 0
+
+
+@dataclass
+class EngineState:
+    """The scheduler's view of one engine.
+
+    Invariant: ``queue.pending`` holds exactly the requests of ``requests``
+    with no first token yet (what is queued or prefilling there), in the
+    order they were booked.
+    """
+
+    name: str
+    prefill_est: PrefillEstimator
+    decode_est: DecodeEstimator
+    alive: bool = True
+    stale: bool = False
+    queue: PrefillNodeState = field(init=False)
+    requests: dict[str, EngineRequest] = field(default_factory=dict)
+    # From the engine's /metrics (all clients): requests running / waiting, KV use.
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    # Blocks its prefix cache holds at most (None: not reported).
+    capacity_blocks: int | None = None
+    metrics_at: float | None = None
+    # Requests at the engine that others sent: counted at the last metrics
+    # report as its figures less ours.
+    foreign_running: int = 0
+    foreign_waiting: int = 0
+    last_first_token_at: float = -math.inf
+    chosen_at: float = -math.inf
+
+    def __post_init__(self) -> None:
+        self.queue = PrefillNodeState(self.name)
+
+    def ours_decoding(self) -> int:
+        return sum(1 for r in self.requests.values() if r.first_token_at is not None)
+
+    def in_flight(self) -> int:
+        return len(self.requests) + self.foreign_running + self.foreign_waiting

@@ -35,23 +35,15 @@ class ReuseShare:
 
     def __init__(self, window: int = REUSE_WINDOW) -> None:
         self._recent: deque[tuple[int, int]] = deque(maxlen=window)
-        self._prompt = 0
-        self._held = 0
 
     def add(self, prompt_tokens: int, held_tokens: int) -> None:
         """One routed prompt and the longest prefix of it any engine held."""
-        held = max(0, min(held_tokens, prompt_tokens))
-        if len(self._recent) == self._recent.maxlen:
-            old_prompt, old_held = self._recent[0]
-            self._prompt -= old_prompt
-            self._held -= old_held
-        self._recent.append((prompt_tokens, held))
-        self._prompt += prompt_tokens
-        self._held += held
+        self._recent.append((prompt_tokens, max(0, min(held_tokens, prompt_tokens))))
 
     def share(self) -> float:
         """0 before any prompt was routed (no reuse seen, none assumed)."""
-        return self._held / self._prompt if self._prompt else 0.0
+        prompt = sum(p for p, _ in self._recent)
+        return sum(h for _, h in self._recent) / prompt if prompt else 0.0
 
 
 def new_blocks(prompt_tokens: int, held_tokens: int, block_size: int) -> int:

@@ -243,6 +243,30 @@ async def test_events_cut_across_reads_pass_through_whole_and_are_read(engines):
         await client.close()
 
 
+async def test_an_engines_cache_size_and_contents_reach_the_choice(engines):
+    """The cache size an engine states in /metrics and the blocks its KV
+    events report are what the choice prices evictions with."""
+    (a,) = await engines(1, num_blocks=6)
+    client = await conductor([a.url])
+    try:
+        proxy = client.app[ENGINE_PROXY]
+        engine = proxy.fleet.engines[a.name]
+        assert proxy.scheduler.engines[a.name].capacity_blocks == 6
+        assert proxy.fleet.cached_blocks(engine) == 0
+        prompt = "a prompt of 21 bytes!"   # 21 byte tokens: 5 full blocks of 4
+        resp = await client.post("/v1/completions", json={"model": "model", "prompt": prompt,
+                                                          "max_tokens": 2})
+        assert resp.status == 200
+
+        async def stored() -> bool:
+            return proxy.fleet.cached_blocks(engine) == len(prompt.encode()) // 4
+
+        await until(stored, "the engine's stored blocks counted")
+        assert proxy.scheduler.status(0.0)["engines"][a.name]["capacity_blocks"] == 6
+    finally:
+        await client.close()
+
+
 async def test_refusals_and_engine_errors_are_openai_errors(engines):
     (a,) = await engines(1)
     client = await conductor([a.url], ttft_slo_s=0.001)

@@ -55,10 +55,13 @@ def test_fallback_chain_cluster_node_level():
     # node a at level 2 has none: falls back to node a (3 samples)
     assert m.key_for("a", 2) == ("a",)
     assert m.median("a", 2, now=0.0) == 0.2
-    # node c has none: falls back to the cluster (4 samples 0.1 .. 0.5)
-    assert m.key_for("c", 0) == CLUSTER
-    assert m.median("c", 0, now=0.0) == 0.2     # cum 1, 2 of 4 -> 0.2
-    assert m.bound("c", 0, now=0.0) == 0.5      # target 3.6 -> last
+    # node c has none: falls back to the cluster (4 samples 0.1 .. 0.5 at
+    # levels 0 and 1)
+    assert m.key_for("c", 1) == CLUSTER
+    assert m.median("c", 1, now=0.0) == 0.2     # cum 1, 2 of 4 -> 0.2
+    assert m.bound("c", 1, now=0.0) == 0.5      # target 3.6 -> last
+    # at level 0 the cluster holds one sample of that load or lighter (b's)
+    assert m.key_for("c", 0) is None and m.median("c", 0, now=0.0) == 0.0
     m.forget_node("a")
     assert m.key_for("a", 1) == CLUSTER
     # the cluster below min_samples: nothing at all
@@ -66,6 +69,36 @@ def test_fallback_chain_cluster_node_level():
     few.add("a", 0, 1.0, now=0.0)
     few.add("b", 0, 1.0, now=0.0)
     assert few.key_for("a", 0) is None and few.bound("a", 0, now=0.0) == 0.0
+
+
+def test_a_query_falls_back_only_to_samples_of_its_load_or_lighter():
+    # Node a: three residuals at level 0 (0.0, 0.1, 0.2 s) and eight at
+    # level 4 under overload (+1.0 s).  min_samples 3.
+    m = ResidualModel(half_life_s=60.0, quantile=0.9, min_samples=3)
+    for r in (0.0, 0.1, 0.2):
+        m.add("a", 0, r, now=0.0)
+    for _ in range(8):
+        m.add("a", 4, 1.0, now=0.0)
+    # Level 1 has no key of its own: node a's samples at levels <= 1 are the
+    # three of level 0 (median 0.1, 0.9-quantile 0.2), not the overload's.
+    assert m.key_for("a", 1, now=0.0) == ("a",)
+    assert m.median("a", 1, now=0.0) == 0.1
+    assert m.bound("a", 1, now=0.0) == 0.2
+    # Level 5 pools all eleven: cum 3 of 11 at 0.2, so median and bound 1.0
+    assert m.key_for("a", 5, now=0.0) == ("a",)
+    assert m.median("a", 5, now=0.0) == 1.0
+    # An idle node b: the cluster at level 0 holds a's three level-0 samples
+    assert m.key_for("b", 0, now=0.0) == CLUSTER
+    assert m.bound("b", 0, now=0.0) == 0.2
+    # A level unknown to the query (None) reads every sample.
+    assert m.median("a", None, now=0.0) == 1.0
+    # With only overload samples, an idle node's level-0 query is the cost
+    # model alone, not the +1.0 s that would refuse it.
+    o = ResidualModel(half_life_s=60.0, quantile=0.9, min_samples=3)
+    for _ in range(8):
+        o.add("a", 4, 1.0, now=0.0)
+    assert o.key_for("a", 0, now=0.0) is None and o.bound("a", 0, now=0.0) == 0.0
+    assert o.bound("a", 4, now=0.0) == 1.0
 
 
 def test_prior_priced_samples_get_no_weight():

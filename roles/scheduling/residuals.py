@@ -10,7 +10,11 @@ least to most specific:
 A query reads the most specific window holding at least ``min_samples``
 samples, falling back up the chain; when not even the cluster's holds that
 many, the residual is 0: the cost model alone (a handful of samples is not
-a quantile).
+a quantile).  A query at load level ``L`` reads, in the pooled windows (node,
+cluster), only the samples recorded at level ``L`` or lighter: what the cost
+model misses grows with the work beside a request, so samples from heavier
+load would price an idle node by what overload did to it, and refuse it;
+refused requests bring no samples that could correct that.
 
 Samples are aged by ONE half-life: at query time (passed in; nothing here
 reads a clock) a sample of age ``a`` weighs ``0.5 ** (a / half_life_s)``.
@@ -101,8 +105,8 @@ class ResidualModel:
         self.quantile = quantile
         self.min_samples = min_samples
         self.window = window
-        # key -> deque of (time, residual)
-        self._windows: dict[Hashable, deque[tuple[float, float]]] = {}
+        # key -> deque of (time, load level or None, residual)
+        self._windows: dict[Hashable, deque[tuple[float, int | None, float]]] = {}
         self.prior_skipped = 0
 
     @staticmethod
@@ -128,23 +132,29 @@ class ResidualModel:
             win = self._windows.get(key)
             if win is None:
                 win = self._windows[key] = deque(maxlen=self.window)
-            win.append((now, residual))
+            win.append((now, level, residual))
 
     def forget_node(self, node: str) -> None:
         """Drop a node's own windows (its samples stay in the cluster's)."""
         for key in [k for k in self._windows if k != CLUSTER and k[0] == node]:
             del self._windows[key]
 
-    def _weighted(self, key: Hashable, now: float) -> list[tuple[float, float]]:
+    def _weighted(self, key: Hashable, now: float | None,
+                  level: int | None = None) -> list[tuple[float, float]]:
+        """``(residual, weight)`` of ``key``'s samples at ``now`` (None: all
+        weigh 1), only those recorded at ``level`` or lighter when ``level``
+        is given (a sample of unknown level always counts)."""
         win = self._windows.get(key, ())
-        return [(r, 0.5 ** (max(0.0, now - t) / self.half_life_s)) for t, r in win]
+        return [(r, 1.0 if now is None else 0.5 ** (max(0.0, now - t) / self.half_life_s))
+                for t, lvl, r in win
+                if level is None or lvl is None or lvl <= level]
 
     def key_for(self, node: str | None, level: int | None,
                 now: float | None = None) -> Hashable | None:
         """The key a query for ``node`` at ``level`` reads at ``now``: the
-        most specific whose samples, weighted by age, still count as
-        ``min_samples``; None when not even the cluster's do.  (``now``
-        None: every sample counts whole.)
+        most specific whose samples at ``level`` or lighter, weighted by
+        age, still count as ``min_samples``; None when not even the
+        cluster's do.  (``now`` None: every sample counts whole.)
 
         Trust must age with the samples, not only their relative weights:
         a window that says "refuse" keeps its quantile however old it gets
@@ -152,11 +162,7 @@ class ResidualModel:
         so a node would be refused for ever.  Aged below ``min_samples`` it
         falls back up the chain, and at last to the cost model alone."""
         for key in self.chain(node, level):
-            win = self._windows.get(key, ())
-            if now is None:
-                weight = float(len(win))
-            else:
-                weight = sum(w for _, w in self._weighted(key, now))
+            weight = sum(w for _, w in self._weighted(key, now, level))
             if weight >= self.min_samples * (1 - 1e-12):
                 return key
         return None
@@ -169,7 +175,8 @@ class ResidualModel:
         key = self.key_for(node, level, now)
         if key is None:
             return 0.0
-        return weighted_quantile(self._weighted(key, now), self.quantile if q is None else q)
+        return weighted_quantile(self._weighted(key, now, level),
+                                 self.quantile if q is None else q)
 
     def median(self, node: str | None, level: int | None, now: float) -> float:
         """The weighted median residual: what node choice adds to a prediction."""

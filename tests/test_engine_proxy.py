@@ -526,3 +526,13 @@ async def test_a_local_tokenizer_that_disagrees_with_the_engine_is_not_used(engi
         assert await _tokenize_calls(a) == before + 1
     finally:
         await client.close()
+
+
+def test_max_tokens_reaches_the_scheduler_only_as_a_positive_whole_number():
+    from roles.engines.proxy import _max_tokens
+    assert _max_tokens({"max_tokens": 32}) == 32
+    # The newer name wins where both are given.
+    assert _max_tokens({"max_completion_tokens": 8, "max_tokens": 32}) == 8
+    for bad in ({}, {"max_tokens": 0}, {"max_tokens": -3}, {"max_tokens": "12"},
+                {"max_tokens": 1.5}, {"max_tokens": True}, {"max_tokens": None}):
+        assert _max_tokens(bad) is None

@@ -282,3 +282,37 @@ def test_eviction_counts_blocks_still_being_computed_and_needs_a_size():
     assert sched.eviction_s(sched.engines["b"], 500, 0, 100, 20) == 0.0
     assert sched.eviction_s(a, 500, 0, 100, None) == 0.0
     assert sched.status(now=100.0)["engines"]["a"]["capacity_blocks"] == 20
+
+
+def test_a_full_kv_cache_delays_the_start_until_decoding_requests_finish():
+    # Both engines hold 10 blocks of 100 tokens.  At a: a 700-token prompt
+    # with max_tokens 100 has its first token at 1.0 s; it holds 8 blocks
+    # (800 tokens) until its last token, 99 steps later.  a's step with a
+    # second request in its batch: 10 + 2 x 2 = 14 ms, so it releases at
+    # 1.0 + 99 x 0.014 = 2.386 s.  A 300-token request at 1.0 s needs 4
+    # blocks (its prompt and first output token, 301 tokens): 2 are free at
+    # a, so its start waits 1.386 s there: 1.686 s against b's 0.3 s.
+    sched = make()
+    for name in ("a", "b"):
+        sched.on_metrics(name, running=0, waiting=0, kv_usage=0.0, now=0.0, capacity_blocks=10)
+    d = sched.schedule("long", 700, {}, now=0.3, among={"a"}, block_size=100, max_tokens=100)
+    sched.on_first_token("a", d.request_id, now=1.0)
+    a = sched.engines["a"]
+    assert sched.room_wait_s(a, 1.0, 300, 10, (), 100) == pytest.approx(1.386)
+    d = sched.schedule("short", 300, {}, now=1.0, block_size=100, max_tokens=10)
+    assert (d.engine, d.t_room, d.predicted_ttft_s) == ("b", 0.0, pytest.approx(0.3))
+    # Only a: its TTFT is the wait for room plus its prefill.
+    sched.on_failed("b", "short", now=1.0)
+    d = sched.schedule("short2", 300, {}, now=1.0, block_size=100, among={"a"})
+    assert d.t_room == pytest.approx(1.386) and d.t_queue == pytest.approx(1.386)
+    assert d.predicted_ttft_s == pytest.approx(1.686)
+    # Its prefix shared with the running request is mapped, not taken: a
+    # 700-token prompt whose first 6 blocks "long" holds needs only 2 more
+    # (8 for 701 tokens), which the 2 free blocks cover.
+    sched.on_failed("a", "short2", now=1.0)
+    a.requests["long"].block_keys = tuple(range(7))
+    assert sched.room_wait_s(a, 1.0, 700, 10, tuple(range(6)) + (99,), 100) == 0.0
+    assert sched.room_wait_s(a, 1.0, 700, 10, (), 100) == pytest.approx(1.386)
+    # Unknown cache size: no wait is priced.
+    a.capacity_blocks = None
+    assert sched.room_wait_s(a, 1.0, 300, 10, (), 100) == 0.0

@@ -144,6 +144,17 @@ def _usage_of(answer: bytes) -> dict | None:
     return usage if isinstance(usage, dict) else None
 
 
+def _max_tokens(body: dict) -> int | None:
+    """The most tokens a request asks to generate (OpenAI's
+    ``max_completion_tokens``, or the older ``max_tokens``); None when it
+    states no positive whole number (the engine judges a bad one)."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def _cached_tokens(usage: dict | None) -> int | None:
     """The engine's own count of prompt tokens it reused (vLLM reports it with
     --enable-prompt-tokens-details), or None where it did not say."""
@@ -337,7 +348,8 @@ class EngineProxy:
                                                among={e.name for e in candidates},
                                                block_keys=keys, block_size=block_size,
                                                cached_blocks={e.name: self.fleet.cached_blocks(e)
-                                                              for e in candidates})
+                                                              for e in candidates},
+                                               max_tokens=_max_tokens(body))
             if isinstance(decision, Rejection):
                 self.metrics.rejected(decision.reason)
                 error = rejection_error(decision)
@@ -391,11 +403,12 @@ class EngineProxy:
         if at is not None and log.isEnabledFor(logging.DEBUG):
             # What the prediction was made of against what happened.
             log.debug("%s at %s: TTFT %.1f ms (%.1f tokenizing), predicted %.1f (queue %.1f "
-                      "+ prefill %.1f + residual); %d prompt tokens, %d predicted cached, %s "
-                      "reported; %d decoding there when sent", d.request_id, d.engine,
+                      "(room %.1f) + prefill %.1f + residual); %d prompt tokens, %d predicted "
+                      "cached, %s reported; %d decoding there when sent", d.request_id, d.engine,
                       (at - proxied.started_at) * 1e3,
                       (proxied.scheduled_at - proxied.started_at) * 1e3,
-                      d.predicted_ttft_s * 1e3, d.t_queue * 1e3, d.t_prefill * 1e3,
+                      d.predicted_ttft_s * 1e3, d.t_queue * 1e3, d.t_room * 1e3,
+                      d.t_prefill * 1e3,
                       proxied.prompt_tokens, d.prefix_tokens, cached, proxied.decoding_at_send)
         self.metrics.engine_first_token(
             at - proxied.started_at if at is not None else None,

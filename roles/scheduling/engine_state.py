@@ -25,6 +25,8 @@ class EngineDecision(NamedTuple):
     # Expected seconds later requests spend recomputing what this request's
     # blocks evict at the engine (chosen on, not admitted on).
     eviction_s: float = 0.0
+    # Of t_queue: until the engine's KV cache has room for it (kv_room.py).
+    t_room: float = 0.0
 
     @property
     def cost_s(self) -> float:
@@ -49,6 +51,9 @@ class EngineRequest:
     block_keys: tuple[int, ...] = ()
     # Full blocks it stores at the engine that the engine did not hold.
     new_blocks: int = 0
+    # Tokens it is expected to generate: its max_tokens, else the mean
+    # output of requests finished lately (what its blocks grow by).
+    output_tokens: int = 0
     first_token_at: float | None = None
     ttft_s: float | None = None   # measured, once its first token came back
     batch: int = 0           # the engine's running batch when it started decoding

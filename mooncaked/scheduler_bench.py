@@ -17,7 +17,9 @@ import resource
 import statistics
 import time
 
-from roles.scheduling.estimators import DecodeEstimator, FlopsPrefillEstimator, ModelShape, TransferEstimator
+from roles.scheduling.decode_estimator import DecodeEstimator
+from roles.scheduling.estimators import FlopsPrefillEstimator, ModelShape
+from roles.scheduling.transfer_estimator import TransferEstimator
 from roles.scheduling.scheduler import Scheduler, SchedulerConfig
 from roles.scheduling.state import Decision, ScheduleRequest
 

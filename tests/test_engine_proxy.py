@@ -35,7 +35,8 @@ from roles.engines.proxy import ENGINE_PROXY, setup_engine_proxy
 from roles.engines.registry import EngineRegistry
 from roles.scheduling.config import SchedulerConfig
 from roles.scheduling.engines import EngineScheduler
-from roles.scheduling.estimators import DecodeEstimator, PolynomialPrefillEstimator
+from roles.scheduling.decode_estimator import DecodeEstimator
+from roles.scheduling.estimators import PolynomialPrefillEstimator
 
 FAKE_ENGINE = Path(__file__).resolve().parent / "fixtures" / "fake_engine.py"
 

@@ -14,7 +14,8 @@ import pytest
 
 from roles.scheduling.config import SchedulerConfig
 from roles.scheduling.engines import EngineDecision, EngineScheduler
-from roles.scheduling.estimators import DecodeEstimator, PolynomialPrefillEstimator
+from roles.scheduling.decode_estimator import DecodeEstimator
+from roles.scheduling.estimators import PolynomialPrefillEstimator
 from roles.scheduling.state import Rejection
 
 MS_PER_TOKEN = {"n": 1e-3}

@@ -28,7 +28,8 @@ from mooncaked.node.context import NodeContext
 from mooncaked.node.errors import error_middleware
 from roles.engines.indexer_api import add_indexer_routes, engines_ctx
 from roles.engines.proxy import ENGINE_PROXY, setup_engine_proxy
-from roles.scheduling.estimators import DecodeEstimator, PolynomialPrefillEstimator
+from roles.scheduling.decode_estimator import DecodeEstimator
+from roles.scheduling.estimators import PolynomialPrefillEstimator
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(vllm_available() is not None, reason=vllm_available() or "")]

@@ -6,8 +6,9 @@ import pytest
 from roles.scheduling import Rejection, Scheduler, SchedulerConfig, ScheduleRequest
 from roles.scheduling.attainment import Q_MAX, Q_MIN, AdmissionQuantile, met_slos
 from roles.scheduling.engines import EngineScheduler
-from roles.scheduling.estimators import (DecodeEstimator, PolynomialPrefillEstimator,
-                                         TransferEstimator)
+from roles.scheduling.decode_estimator import DecodeEstimator
+from roles.scheduling.estimators import PolynomialPrefillEstimator
+from roles.scheduling.transfer_estimator import TransferEstimator
 
 
 def test_each_miss_raises_and_each_success_lowers_the_quantile_by_hand():

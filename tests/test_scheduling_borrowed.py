@@ -8,8 +8,9 @@ import math
 import pytest
 
 from roles.scheduling import borrowed
-from roles.scheduling.estimators import (DecodeEstimator, PolynomialPrefillEstimator,
-                                         TransferEstimator)
+from roles.scheduling.decode_estimator import DecodeEstimator
+from roles.scheduling.estimators import PolynomialPrefillEstimator
+from roles.scheduling.transfer_estimator import TransferEstimator
 from roles.scheduling.scheduler import (ARRIVAL_WINDOW_S, YIELD_SHARE_HALF_LIFE_S, Scheduler,
                                         SchedulerConfig)
 from roles.scheduling.state import NodeReport, RunningSeq, ScheduleRequest

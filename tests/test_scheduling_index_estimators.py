@@ -193,8 +193,9 @@ def test_transfers_of_one_size_keep_the_bandwidth_and_learn_the_latency():
 
 
 def test_decode_estimator_follows_measured_step_times():
-    from roles.scheduling.estimators import (DecodeEstimator, PolynomialPrefillEstimator,
-                                             TransferEstimator)
+    from roles.scheduling.decode_estimator import DecodeEstimator
+    from roles.scheduling.estimators import PolynomialPrefillEstimator
+    from roles.scheduling.transfer_estimator import TransferEstimator
     from roles.scheduling.scheduler import Scheduler, SchedulerConfig
     from roles.scheduling.state import NodeReport
 

@@ -144,8 +144,9 @@ from dataclasses import fields  # noqa: E402
 from mooncaked.node.sections import ConductorSection  # noqa: E402
 from roles.scheduling import (Rejection, Scheduler, SchedulerConfig, ScheduleRequest,  # noqa: E402
                               scheduler_config)
-from roles.scheduling.estimators import (DecodeEstimator, PolynomialPrefillEstimator,  # noqa: E402
-                                         TransferEstimator)
+from roles.scheduling.decode_estimator import DecodeEstimator  # noqa: E402
+from roles.scheduling.estimators import PolynomialPrefillEstimator  # noqa: E402
+from roles.scheduling.transfer_estimator import TransferEstimator  # noqa: E402
 
 BS = 100
 

@@ -25,8 +25,9 @@ from mooncaked.node.internal_client import read_message, reply
 from mooncaked.node.membership import NodeRecord, NodeRegistry
 from mooncaked.node.messages import (CacheEvents, CacheEventsAck, CacheSnapshot, DecodeSeqLoad,
                                      DecodeStepSample, Ok, PrefillSpeed, Route, StoredBlocks)
-from roles.scheduling.estimators import (DecodeEstimator, PipelinePrefillEstimator,
-                                         PolynomialPrefillEstimator, TransferEstimator)
+from roles.scheduling.decode_estimator import DecodeEstimator
+from roles.scheduling.estimators import PipelinePrefillEstimator, PolynomialPrefillEstimator
+from roles.scheduling.transfer_estimator import TransferEstimator
 from roles.scheduling.scheduler import Scheduler, scheduler_config
 from roles.scheduling.state import DecodeStep, NodeReport, RunningSeq
 

@@ -50,7 +50,8 @@ from roles.engines.fleet import Engine, EngineFleet, EngineSpec, EngineSpecError
 from roles.engines.indexer_api import ENGINES
 from roles.scheduling.config import scheduler_config
 from roles.scheduling.engines import EngineDecision, EngineScheduler
-from roles.scheduling.estimators import DecodeEstimator, PrefillEstimator
+from roles.scheduling.decode_estimator import DecodeEstimator
+from roles.scheduling.estimators import PrefillEstimator
 from roles.scheduling.state import Rejection
 
 log = logging.getLogger("mooncaked.engines.proxy")

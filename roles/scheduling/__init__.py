@@ -3,9 +3,10 @@
 Driven by the HTTP conductor with wall-clock times and by the simulator
 with a simulated clock; nothing in this package reads a clock or does I/O.
 """
-from .estimators import (DecodeEstimator, FlopsPrefillEstimator, ModelShape,
-                         PolynomialPrefillEstimator, PrefillEstimator, TransferEstimator,
-                         fit_decode, fit_polynomial)
+from .decode_estimator import DecodeEstimator, fit_decode
+from .estimators import (FlopsPrefillEstimator, ModelShape, PolynomialPrefillEstimator,
+                         PrefillEstimator, fit_polynomial)
+from .transfer_estimator import TransferEstimator
 from .index import GlobalCacheIndex
 from .policies import POLICIES, PlanContext, Policy
 from .registry import make_policy

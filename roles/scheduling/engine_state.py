@@ -8,7 +8,8 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from .estimators import DecodeEstimator, PrefillEstimator
+from .decode_estimator import DecodeEstimator
+from .estimators import PrefillEstimator
 from .state import PrefillNodeState
 
 

@@ -34,16 +34,17 @@ Nothing here does I/O or reads a clock: ``now`` is always an argument.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 from collections import deque
 from typing import Collection, Mapping, Sequence
 
-from .attainment import AdmissionQuantile, met_slos
+from .attainment import AdmissionQuantile
 from .cache_pressure import ReuseShare, blocks_evicted, eviction_seconds, new_blocks
 from .config import SchedulerConfig
+from .decode_estimator import DecodeEstimator
+from .engine_feedback import EngineFeedback
 from .engine_state import EngineDecision, EngineRequest, EngineState
-from .estimators import DecodeEstimator, PrefillEstimator
+from .estimators import PrefillEstimator
 from .kv_room import Holder, blocks_for, room_wait_s, shared_blocks
 from .residuals import ResidualModel, load_level
 from .state import PendingPrefill, Rejection
@@ -56,7 +57,7 @@ TIE_SHARE = 0.1
 RECENT_PROMPTS = 64
 
 
-class EngineScheduler:
+class EngineScheduler(EngineFeedback):
     """Chooses an engine per request, admits against the SLOs, learns from feedback."""
 
     def __init__(self, config: SchedulerConfig, prefill_prior: PrefillEstimator,
@@ -336,118 +337,6 @@ class EngineScheduler:
         self.rejections[reason] = self.rejections.get(reason, 0) + 1
         retry = min(self.config.max_retry_after_s, max(self.config.min_retry_after_s, retry))
         return Rejection(request_id, reason, ttft, tbt, retry, limit)
-
-    # ---- feedback ------------------------------------------------------
-    def _started(self, state: EngineState, request_id: str, now: float) -> EngineRequest | None:
-        """Move a request from the queue to decoding at ``now``."""
-        req = state.requests.get(request_id)
-        if req is None or req.first_token_at is not None:
-            return None
-        state.queue.pending.pop(request_id, None)
-        req.first_token_at = now
-        others = [r for r in state.requests.values() if r is not req]
-        req.batch = 1 + state.foreign_running + sum(1 for r in others if r.first_token_at)
-        req.context_tokens = req.prompt_tokens + sum(r.prompt_tokens for r in others
-                                                     if r.first_token_at)
-        return req
-
-    def on_first_token(self, engine: str, request_id: str, now: float) -> None:
-        """The first token came back: refit the engine's prefill time on the
-        part of the TTFT after the request could start (FIFO: after the
-        previous first token there), and record the TTFT residual."""
-        state = self.engines.get(engine)
-        booking = state.queue.pending.get(request_id) if state else None
-        req = self._started(state, request_id, now) if state else None
-        if req is None or booking is None:
-            return
-        service = now - max(req.sent_at, state.last_first_token_at)
-        state.last_first_token_at = now
-        if booking.estimate_s > 0:
-            state.queue.late_ratios.append(service / booking.estimate_s)
-        if service > 0:
-            state.prefill_est.observe(req.prompt_tokens, req.prefix_tokens, service)
-            self.prefill_est.observe(req.prompt_tokens, req.prefix_tokens, service)
-        actual = req.ttft_s = now - req.sent_at
-        errors = self._ttft_errors
-        errors[0] += 1
-        errors[1] += req.predicted_ttft_s - actual
-        errors[2] += abs(req.predicted_ttft_s - actual)
-        self.ttft_residuals.add(engine, req.level, actual - req.model_ttft_s, now,
-                                priced_by_prior=req.priced_by_prior)
-
-    def on_finished(self, engine: str, request_id: str, now: float,
-                    mean_tbt_s: float | None = None, tokens: int = 0) -> None:
-        """The request ended; ``mean_tbt_s``: the mean of its ``tokens``'
-        intervals as streamed, which the engine's decode model is fitted on."""
-        state = self.engines.get(engine)
-        if state is None:
-            return
-        req = state.requests.get(request_id)
-        if req is not None and req.first_token_at is None:
-            self._started(state, request_id, now)
-        req = state.requests.pop(request_id, None)
-        if req is not None and tokens > 0:
-            self.recent_outputs.append(tokens)
-        if req is not None and mean_tbt_s is not None and mean_tbt_s > 0 and tokens > 1:
-            state.decode_est.observe(req.batch, req.context_tokens + tokens // 2, mean_tbt_s)
-        if req is not None and req.observed and req.ttft_s is not None:
-            intervals = [mean_tbt_s] if mean_tbt_s is not None and tokens > 1 else []
-            self.ttft_residuals.quantile = self.admission.observe(met_slos(
-                req.ttft_s, intervals, self.config.ttft_slo_s, self.config.tbt_slo_s))
-
-    def on_failed(self, engine: str, request_id: str, now: float) -> None:
-        """The request ended without an answer worth learning from."""
-        state = self.engines.get(engine)
-        if state is not None:
-            state.requests.pop(request_id, None)
-            state.queue.pending.pop(request_id, None)
-
-    def on_metrics(self, engine: str, running: int, waiting: int, kv_usage: float,
-                   now: float, capacity_blocks: int | None = None) -> None:
-        """The engine's own load figures (all its clients).  What exceeds the
-        requests this scheduler has there is other clients' work.
-        ``capacity_blocks``: the most blocks its prefix cache holds, where
-        it says."""
-        state = self.engines.get(engine)
-        if state is None:
-            return
-        if capacity_blocks is not None:
-            state.capacity_blocks = capacity_blocks
-        state.running, state.waiting, state.kv_usage, state.metrics_at = \
-            running, waiting, kv_usage, now
-        queued = len(state.queue.pending)
-        # Ours without a first token may be waiting or prefilling (running):
-        # every figure above them is someone else's.
-        state.foreign_waiting = max(0, waiting - queued)
-        state.foreign_running = max(0, running + waiting - len(state.requests)
-                                    - state.foreign_waiting)
-
-    # ---- status --------------------------------------------------------
-    def status(self, now: float) -> dict:
-        """The learned state, for /admin/status."""
-        n, total, total_abs = self._ttft_errors
-        engines = {}
-        for name, s in self.engines.items():
-            est = self.estimator_for(s)
-            engines[name] = {
-                "alive": s.alive, "stale": s.stale, "booked": len(s.queue.pending),
-                "decoding": s.ours_decoding(), "running": s.running, "waiting": s.waiting,
-                "kv_usage": s.kv_usage, "foreign_running": s.foreign_running,
-                "foreign_waiting": s.foreign_waiting, "capacity_blocks": s.capacity_blocks,
-                "queue_s": round(s.queue.queue_time(now), 6),
-                "own_prefill_fit": s.prefill_est.fitted_since_fork(),
-                "prefill_coeffs": getattr(est, "coeffs", None),
-                "decode_coeffs": [s.decode_est.c0, s.decode_est.c_batch, s.decode_est.c_ctx],
-                "decode_scale": s.decode_est.scale}
-        return {"engines": engines, "rejections": dict(self.rejections),
-                "reuse_share": round(self.reuse.share(), 4),
-                "ttft_error": {"count": n, "mean_s": total / n if n else 0.0,
-                               "mean_abs_s": total_abs / n if n else 0.0},
-                "ttft_residuals": {k: dataclasses.asdict(v)
-                                   for k, v in self.ttft_residuals.stats(now).items()},
-                "residuals_priced_by_prior": self.ttft_residuals.prior_skipped,
-                "admission": dataclasses.asdict(self.admission.stats())}
-
 
 def _expected_end(p: PendingPrefill) -> float:
     start = p.expected_start if p.expected_start is not None else p.sent_at

@@ -1,10 +1,18 @@
 """The compute dtype ``model.dtype = "auto"`` resolves to on this device.
 
-bfloat16 where the hardware multiplies it natively: a CPU with AVX512-BF16
-or AMX-BF16 (its bf16 matrix products run several times faster than
-float32 ones, and KV pages take half the bytes), or a CUDA device that
-supports it.  float32 everywhere else: a CPU without those instructions
-emulates bf16 more slowly than it computes float32.  Checkpoints stored in
+bfloat16 where the hardware multiplies it natively (a CPU with AVX512-BF16
+or AMX-BF16, whose bf16 matrix products run several times faster than
+float32 ones, with KV pages of half the bytes; or a CUDA device that
+supports it) and, on a CPU, where those products are row-invariant: a
+row's result is the same bits whatever the rows computed beside it.  At
+bfloat16 a different summation order moves a result by whole units of the
+last place, so a kernel that blocks its sums by the number of rows (or by
+where a row starts in memory, as oneDNN's AMX kernels do) gives a prompt's
+positions other bits when they are computed in a chunk of another size or
+after a cached prefix, and a greedy token can change with cache reuse,
+which the system promises it never does.  ``bf16_rows_invariant`` probes
+this machine once; float32 everywhere else (its rounding differences are
+~1e-7 of a value, far below what moves a token).  Checkpoints stored in
 float32 are downcast, as vLLM does on CPU; ``model.dtype = "float32"``
 keeps full precision (bit-for-bit agreement with a float32 reference).
 
@@ -39,12 +47,48 @@ def _this_cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
-def native_dtype(device: str, flags: frozenset[str] | None = None) -> str:
-    """bfloat16 where ``device`` computes it natively, else float32.
-    ``flags``: the CPU's feature flags (default: this machine's)."""
+# (first row, rows) of the probe's products: row counts either side of the
+# kernels' blockings (16, 32, 64) and starts that are not multiples of them.
+PROBE_SLICES = ((0, 1), (0, 3), (0, 16), (0, 17), (0, 37), (0, 64), (0, 65),
+                (5, 1), (21, 32), (40, 48), (64, 64), (7, 100))
+# (in, out) features of the probe's weights: a model's projections' range.
+PROBE_SHAPES = ((512, 768), (1408, 512))
+
+
+@lru_cache(maxsize=1)
+def bf16_rows_invariant() -> bool:
+    """Whether this CPU's bfloat16 matrix products (``F.linear``, what
+    every projection of the model is) give a row the same bits whatever
+    rows are computed with it and wherever it starts: slices of a batch
+    against the whole batch's product."""
+    import torch
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(0)
+    for k, n in PROBE_SHAPES:
+        w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+        x = torch.randn(192, k, generator=gen).to(torch.bfloat16)
+        whole = F.linear(x, w)
+        for first, rows in PROBE_SLICES:
+            part = F.linear(x[first:first + rows], w)
+            if not torch.equal(part, whole[first:first + rows]):
+                return False
+    return True
+
+
+def native_dtype(device: str, flags: frozenset[str] | None = None,
+                 rows_invariant: bool | None = None) -> str:
+    """bfloat16 where ``device`` computes it natively (and, on a CPU, its
+    bf16 products are row-invariant), else float32.  ``flags``: the CPU's
+    feature flags (default: this machine's); ``rows_invariant``: whether
+    its bf16 products are (default: ``bf16_rows_invariant()``, probed here
+    when the flags allow bf16)."""
     if device == "cpu":
         have = _this_cpu_flags() if flags is None else flags
-        return "bfloat16" if have & BF16_CPU_FLAGS else "float32"
+        if not have & BF16_CPU_FLAGS:
+            return "float32"
+        invariant = bf16_rows_invariant() if rows_invariant is None else rows_invariant
+        return "bfloat16" if invariant else "float32"
     if device.startswith("cuda"):
         import torch
         return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() \

@@ -35,6 +35,7 @@ from kvstore.layout import PageLayout
 from kvstore.metrics import register_store_metrics
 from kvstore.shard import StoreShard
 from model.config import ModelConfig, load_model_config, page_layout, stage_layers
+from model.precision import bf16_rows_invariant
 from model.profile import COLD_MEASURE_CHUNKS, cold_prefill_samples, fit_cold
 from model.runner import DecodeSeq, ModelRunner, configure_torch, kv_pages_view
 from model.weights import load_weights
@@ -183,10 +184,16 @@ class WorkerNode:
                      time.perf_counter() - t_warm, worker.interleave_tokens or "prefill_chunk")
             worker._resources = stack.pop_all()
         worker._announce()
-        log.info("worker ready in %.2fs: model %s (%d layers), %d pages of %d tokens (%.1f MiB), "
-                 "transfer %s", time.perf_counter() - t0, cfg.model.model,
-                 weights.config.num_layers, shard.num_pages, layout.block_size,
+        log.info("worker ready in %.2fs: model %s (%d layers, %s), %d pages of %d tokens "
+                 "(%.1f MiB), transfer %s", time.perf_counter() - t0, cfg.model.model,
+                 weights.config.num_layers, cfg.model.dtype, shard.num_pages, layout.block_size,
                  shard.num_pages * layout.page_bytes / 2**20, engine.descriptor().transport)
+        if cfg.model.dtype == "bfloat16" and cfg.model.device == "cpu" \
+                and not bf16_rows_invariant():
+            log.warning("model.dtype is bfloat16, but this CPU's bfloat16 matrix products "
+                        "depend on the rows computed beside each row: a greedy token may "
+                        "differ with and without cache reuse (model/precision.py); "
+                        "model.dtype = \"auto\" picks float32 here")
         return worker
 
     def _announce(self) -> None:

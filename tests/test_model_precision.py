@@ -34,11 +34,36 @@ def test_cpu_flags_are_read_from_the_first_cpu():
 
 
 def test_auto_is_bfloat16_only_where_the_cpu_multiplies_it_natively():
-    assert native_dtype("cpu", cpu_flags(ZEN4_CPUINFO)) == "bfloat16"
-    assert native_dtype("cpu", frozenset({"amx_bf16", "avx2"})) == "bfloat16"
+    assert native_dtype("cpu", cpu_flags(ZEN4_CPUINFO), rows_invariant=True) == "bfloat16"
+    assert native_dtype("cpu", frozenset({"amx_bf16", "avx2"}), rows_invariant=True) \
+        == "bfloat16"
     assert native_dtype("cpu", cpu_flags(AVX2_CPUINFO)) == "float32"
     assert native_dtype("cpu", cpu_flags(ARM_CPUINFO)) == "float32"
     assert native_dtype("mps") == "float32"
+
+
+def test_auto_is_float32_where_bf16_products_depend_on_the_rows_beside():
+    """Native bf16 whose products give a row other bits in a batch of
+    another size would change tokens with cache reuse: auto keeps float32."""
+    assert native_dtype("cpu", cpu_flags(ZEN4_CPUINFO), rows_invariant=False) == "float32"
+    assert native_dtype("cpu", frozenset({"amx_bf16"}), rows_invariant=False) == "float32"
+
+
+def test_the_probe_agrees_with_products_it_did_not_try():
+    """bf16_rows_invariant() on this machine against a wider search: another
+    weight shape, batches sliced at other rows and lengths."""
+    import torch
+    import torch.nn.functional as F
+
+    from model.precision import bf16_rows_invariant
+
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(2816, 512, generator=gen).to(torch.bfloat16)
+    x = torch.randn(300, 512, generator=gen).to(torch.bfloat16)
+    whole = F.linear(x, w)
+    all_same = all(torch.equal(F.linear(x[a:a + n], w), whole[a:a + n])
+                   for a in range(0, 160, 3) for n in (1, 2, 5, 16, 17, 37, 64, 65, 100))
+    assert bf16_rows_invariant() == all_same
 
 
 def test_the_runtime_config_resolves_auto_once_and_keeps_explicit_dtypes():
@@ -98,6 +123,16 @@ def test_tiled_attention_gives_each_position_the_same_bits_in_any_chunking():
         assert torch.equal(head, whole[:, :start]), start
 
 
+def _skip_unless_bf16_rows_invariant() -> None:
+    """Bit-for-bit claims across splits and batches hold where a bf16
+    product's row does not depend on the rows beside it: where auto picks
+    bfloat16 (model/precision.py)."""
+    from model.precision import bf16_rows_invariant
+    if not bf16_rows_invariant():
+        pytest.skip("this CPU's bfloat16 matrix products depend on the rows beside each "
+                    "row (model/precision.py): auto picks float32 here")
+
+
 def _bf16_runner(pages: int = 24):
     import torch
 
@@ -114,10 +149,13 @@ def _bf16_runner(pages: int = 24):
 
 def test_bfloat16_prefill_is_the_same_whole_chunked_or_after_a_cached_prefix():
     """The oracle at reduced precision: the last token's logits and every
-    position's KV are the same bits however the prompt was split."""
+    position's KV are the same bits however the prompt was split, on a CPU
+    whose bf16 products are row-invariant (where auto picks bfloat16)."""
     import random
 
     import torch
+
+    _skip_unless_bf16_rows_invariant()
 
     prompt = [random.Random(9).randrange(256) for _ in range(300)]
     table = list(range(20))
@@ -173,6 +211,8 @@ def test_bfloat16_prefill_batch_equals_each_request_alone():
     import random
 
     import torch
+
+    _skip_unless_bf16_rows_invariant()
 
     rng = random.Random(4)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (100, 37, 230)]

@@ -230,6 +230,42 @@ def test_new_prefixes_spread_over_engines_priced_alike():
     assert sched.schedule("held", 100, {"b": 50}, now=5.0).engine == "b"
 
 
+@pytest.mark.parametrize("queued_tokens, engine", [(550, "a"), (700, "b")])
+def test_costs_within_the_tie_share_go_to_the_engine_holding_more(queued_tokens, engine):
+    # a holds half the prompt but has work queued; b holds none and is idle.
+    sched = make()
+    assert sched.schedule("q", queued_tokens, {}, now=0.0).engine == "a"
+    d = sched.schedule("r", 1000, {"a": 500}, now=0.0)
+    # a: queued 0.55 s + 500 new tokens = 1.05 s, within 10% of b's 1.0 s:
+    # a tie, won by the holder (it computes half and stores no second
+    # copy); with 0.7 s queued (1.2 s) b is faster by more than the fits err.
+    assert d.engine == engine
+    assert d.predicted_ttft_s == pytest.approx(1.05 if engine == "a" else 1.0)
+    assert {c[0]: (c[1], round(c[2], 6)) for c in d.candidates} == {
+        "a": (500, round(queued_tokens / 1000 + 0.5, 6)), "b": (0, 1.0)}
+
+
+def test_costs_within_the_learned_ttft_spread_go_to_the_engine_holding_more():
+    sched = make(residual_min_samples=4, admit_quantile=0.9)
+    _learn_residuals(sched, [0.0] * 6 + [0.4] * 4)
+    now = 1000.0
+    # Median residual 0, 0.9-quantile 0.4: predictions err by up to 0.4 s.
+    assert sched.ttft_spread_s("a", 0, now) == pytest.approx(0.4)
+    assert sched.ttft_spread_s("b", 1, now) == pytest.approx(0.4)
+    holder = sched.schedule("q", 700, {}, now=now).engine
+    other = ({"a", "b"} - {holder}).pop()
+    # holder: 0.7 s queued + 500 new tokens = 1.2 s; other: 1000 tokens, 1.0 s.
+    # 0.2 s apart: more than 10% of 1.0 s, less than the 0.4 s spread.
+    d = sched.schedule("r", 1000, {holder: 500}, now=now)
+    assert d.engine == holder and d.predicted_ttft_s == pytest.approx(1.2)
+    # With 0.4 s more queued there (1.6 s), 0.6 s apart is more than the
+    # predictions err: the faster engine wins.
+    sched.on_failed(holder, "r", now)
+    assert sched.schedule("q2", 400, {}, now=now, among=(holder,)).engine == holder
+    d2 = sched.schedule("r2", 1000, {holder: 500}, now=now)
+    assert d2.engine == other and d2.predicted_ttft_s == pytest.approx(1.0)
+
+
 def _full_engines(sched: EngineScheduler, reuse_prompts: int = 4) -> None:
     """Both engines' caches hold at most 20 blocks of 100 tokens; first
     ``reuse_prompts`` routed prompts of 1000 tokens, 800 of them held by

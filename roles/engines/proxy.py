@@ -405,12 +405,15 @@ class EngineProxy:
             # What the prediction was made of against what happened.
             log.debug("%s at %s: TTFT %.1f ms (%.1f tokenizing), predicted %.1f (queue %.1f "
                       "(room %.1f) + prefill %.1f + residual); %d prompt tokens, %d predicted "
-                      "cached, %s reported; %d decoding there when sent", d.request_id, d.engine,
+                      "cached, %s reported; %d decoding there when sent; among %s",
+                      d.request_id, d.engine,
                       (at - proxied.started_at) * 1e3,
                       (proxied.scheduled_at - proxied.started_at) * 1e3,
                       d.predicted_ttft_s * 1e3, d.t_queue * 1e3, d.t_room * 1e3,
                       d.t_prefill * 1e3,
-                      proxied.prompt_tokens, d.prefix_tokens, cached, proxied.decoding_at_send)
+                      proxied.prompt_tokens, d.prefix_tokens, cached, proxied.decoding_at_send,
+                      ", ".join(f"{e} (cached {p}, TTFT {t * 1e3:.1f}, cost {c * 1e3:.1f})"
+                                for e, p, t, c in d.candidates))
         self.metrics.engine_first_token(
             at - proxied.started_at if at is not None else None,
             proxied.decision.predicted_ttft_s, proxied.prompt_tokens,

@@ -28,6 +28,9 @@ class EngineDecision(NamedTuple):
     eviction_s: float = 0.0
     # Of t_queue: until the engine's KV cache has room for it (kv_room.py).
     t_room: float = 0.0
+    # Every engine priced for it, admitted or not: (engine, prefix tokens
+    # it holds, predicted TTFT, cost), what the choice was made among.
+    candidates: tuple[tuple[str, int, float, float], ...] = ()
 
     @property
     def cost_s(self) -> float:

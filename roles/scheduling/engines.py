@@ -49,8 +49,9 @@ from .kv_room import Holder, blocks_for, room_wait_s, shared_blocks
 from .residuals import ResidualModel, load_level
 from .state import PendingPrefill, Rejection
 
-# For a prompt no engine holds, predicted TTFTs within this share of each
-# other are a tie (broken by load, then by turn).
+# Predicted costs within this share of each other are a tie (broken by the
+# prefix held, then by load, then by turn), however narrow the engines'
+# learned TTFT spreads.
 TIE_SHARE = 0.1
 # Prompt lengths of recently routed requests: what a request another client
 # sent is priced as (its prompt is not known to us).
@@ -180,12 +181,17 @@ class EngineScheduler(EngineFeedback):
             + foreign * self.typical_prompt(prompt_tokens)
         return state.decode_est.seconds(batch, context)
 
+    def ttft_spread_s(self, name: str, level: int, now: float) -> float:
+        """How far above its median the engine's TTFT residual goes: the
+        admission-quantile residual less the median (>= 0), what a TTFT
+        prediction there errs by."""
+        r = self.ttft_residuals
+        return max(0.0, r.bound(name, level, now) - r.median(name, level, now))
+
     def ttft_admit_limit(self, name: str, level: int, now: float) -> float:
         """The highest predicted TTFT (model + median residual) admitted: the
         SLO less the spread between the admission quantile and the median."""
-        r = self.ttft_residuals
-        return max(0.0, self.config.ttft_slo_s - (r.bound(name, level, now)
-                                                  - r.median(name, level, now)))
+        return max(0.0, self.config.ttft_slo_s - self.ttft_spread_s(name, level, now))
 
     # ---- the decision --------------------------------------------------
     def schedule(self, request_id: str, prompt_tokens: int, prefix_tokens: Mapping[str, int],
@@ -215,6 +221,8 @@ class EngineScheduler(EngineFeedback):
         best: tuple[EngineDecision, int, float] | None = None
         refused: tuple[str, EngineDecision, float] | None = None
         held_by: dict[str, int] = {}
+        priced: list[tuple[str, int, float, float]] = []
+        spreads: dict[str, float] = {}
         output_tokens = max_tokens if max_tokens is not None and max_tokens > 0 \
             else self.typical_output()
         for name, state in self.engines.items():
@@ -237,13 +245,15 @@ class EngineScheduler(EngineFeedback):
             eviction = self.eviction_s(state, prompt_tokens, held, block_size, cached)
             decision = EngineDecision(request_id, name, prefix, ttft, tbt, t_queue, t_prefill,
                                       eviction, t_room)
-            limit = self.ttft_admit_limit(name, level, now)
+            priced.append((name, prefix, ttft, decision.cost_s))
+            spreads[name] = self.ttft_spread_s(name, level, now)
+            limit = max(0.0, cfg.ttft_slo_s - spreads[name])
             if cfg.reject and ttft > limit:
                 why = ("ttft_slo", decision, limit)
             elif cfg.reject and tbt > cfg.tbt_slo_s:
                 why = ("tbt_slo", decision, cfg.tbt_slo_s)
             else:
-                if best is None or self._before(decision, state, best[0]):
+                if best is None or self._before(decision, state, best[0], spreads):
                     best = (decision, level, model)
                 continue
             if refused is None or ttft < refused[1].predicted_ttft_s:
@@ -257,6 +267,7 @@ class EngineScheduler(EngineFeedback):
             return self._reject(request_id, reason, d.predicted_ttft_s, d.predicted_tbt_s,
                                 retry, limit)
         decision, level, model = best
+        decision = decision._replace(candidates=tuple(priced))
         new = new_blocks(prompt_tokens, held_by[decision.engine], block_size) \
             if block_size > 0 else 0
         self._book(decision, prompt_tokens, level, model, now, streamed, tuple(block_keys), new,
@@ -277,16 +288,24 @@ class EngineScheduler(EngineFeedback):
         return eviction_seconds(self.estimator_for(state), evicted, block_size,
                                 self.reuse.share(), self.typical_prompt(prompt_tokens))
 
-    def _before(self, d: EngineDecision, state: EngineState, best: EngineDecision) -> bool:
+    def _before(self, d: EngineDecision, state: EngineState, best: EngineDecision,
+                spreads: Mapping[str, float]) -> bool:
         """``d`` beats ``best``: a lower cost (predicted TTFT + eviction).
-        For a prompt neither holds any of, costs within TIE_SHARE of each
-        other (their fits differ by less than they err) are a tie, won by
-        fewer requests in flight, then by the engine chosen longest ago: new
-        prefixes spread over the engines' caches instead of filling one."""
-        cold = d.prefix_tokens == 0 and best.prefix_tokens == 0
-        near = abs(d.cost_s - best.cost_s) <= TIE_SHARE * min(d.cost_s, best.cost_s)
-        if not (cold and near):
+        Costs closer than the predictions err are a tie: closer than the
+        lesser of the two engines' TTFT spreads (``ttft_spread_s``, learned
+        from their residuals), or than TIE_SHARE of the lower cost.  A tie
+        is won by the engine holding more of the prompt: it computes less,
+        which leaves the fleet's compute to the requests after it, and
+        stores no second copy of a prefix, which keeps its room for other
+        prefixes.  For a prompt neither holds any of, by fewer requests in
+        flight, then by the engine chosen longest ago: new prefixes spread
+        over the engines' caches instead of filling one."""
+        tolerance = max(TIE_SHARE * min(d.cost_s, best.cost_s),
+                        min(spreads.get(d.engine, 0.0), spreads.get(best.engine, 0.0)))
+        if abs(d.cost_s - best.cost_s) > tolerance:
             return d.cost_s < best.cost_s
+        if d.prefix_tokens != best.prefix_tokens:
+            return d.prefix_tokens > best.prefix_tokens
         other = self.engines[best.engine]
         return (state.in_flight(), state.chosen_at) < (other.in_flight(), other.chosen_at)
 

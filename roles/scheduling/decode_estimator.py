@@ -8,7 +8,7 @@ from collections import deque
 
 import numpy as np
 
-from .estimators import ModelShape
+from .estimators import ModelShape, nonnegative_lstsq
 
 
 DECODE_TERMS = ("c0", "c_batch", "c_ctx")
@@ -85,8 +85,8 @@ def fit_decode(samples: list[tuple[float, float, float]], prior: tuple[float, fl
     """Least squares of t = c0 + c_batch b + c_ctx k on (b, k, seconds) samples.
 
     Ridge towards `prior` (weight `prior_weight`, counted in samples, on
-    columns scaled to the samples' range); coefficients kept >= 0 by
-    dropping negative terms and refitting (at most 3 rounds).
+    columns scaled to the samples' range: one row per coefficient pulling it
+    to the prior's); coefficients kept >= 0 (``nonnegative_lstsq``).
     """
     if not samples:
         raise ValueError("samples: need at least one (batch, context, seconds) sample")
@@ -96,19 +96,7 @@ def fit_decode(samples: list[tuple[float, float, float]], prior: tuple[float, fl
     xs = x / scale
     p = np.array(prior, dtype=np.float64) * scale  # the prior in scaled coordinates
     w = np.sqrt(prior_weight)
-    active = list(range(len(DECODE_TERMS)))
-    coef = np.zeros(len(DECODE_TERMS))
-    for _ in range(len(DECODE_TERMS)):
-        a = np.vstack([xs[:, active], w * np.eye(len(active))])
-        rhs = np.concatenate([y, w * p[active]])
-        sol, *_ = np.linalg.lstsq(a, rhs, rcond=None)
-        coef[:] = 0.0
-        coef[active] = sol / scale[active]
-        neg = [i for i in active if coef[i] < 0]
-        if not neg:
-            break
-        active = [i for i in active if i not in neg]
-        if not active:
-            coef[:] = 0.0
-            break
+    a = np.vstack([xs, w * np.eye(len(DECODE_TERMS))])
+    rhs = np.concatenate([y, w * p])
+    coef = nonnegative_lstsq(a, rhs, np.ones(len(rhs))) / scale
     return float(coef[0]), float(coef[1]), float(coef[2])

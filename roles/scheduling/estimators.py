@@ -193,15 +193,15 @@ def fit_polynomial(samples: list[tuple[float, float, float]],
         scale[len(samples):] = np.minimum(
             1.0, unit / np.maximum(y[len(samples):], L1_FIT_FLOOR_S))
         x, y = x * scale[:, None], y * scale
-    coef = _nonnegative_lstsq(x, y, np.sqrt(weight))
+    coef = nonnegative_lstsq(x, y, np.sqrt(weight))
     if least_absolute:
         for _ in range(L1_FIT_ROUNDS):
             residual = np.maximum(np.abs(x @ coef - y), L1_FIT_FLOOR_S)
-            coef = _nonnegative_lstsq(x, y, np.sqrt(weight / residual))
+            coef = nonnegative_lstsq(x, y, np.sqrt(weight / residual))
     return {t: float(c) for t, c in zip(POLY_TERMS, coef)}
 
 
-def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, row_weights: np.ndarray) -> np.ndarray:
+def nonnegative_lstsq(x: np.ndarray, y: np.ndarray, row_weights: np.ndarray) -> np.ndarray:
     """min sum (w_i (x_i c - y_i))^2 over c >= 0 (active set)."""
     x = x * row_weights[:, None]
     y = y * row_weights

@@ -23,7 +23,9 @@ Among the engines that admit the request (model + the admission-quantile
 residual <= TTFT SLO, and its predicted TBT, its DecodeEstimator at its
 running batch + 1, <= TBT SLO) the one with the least predicted TTFT plus
 the cost of what its blocks would evict there (cache_pressure.py; zero
-while the engine's cache has room, or its size is unknown) wins.  Hot
+while the engine's cache has room, or its size is unknown) wins; costs
+closer than the engines' predictions err (their learned TTFT spreads) are
+a tie, won by the engine holding more of the prompt.  Hot
 prefixes spill by this pricing alone: once the holder's queue costs more
 than recomputing the prefix elsewhere and the cached work the copy pushes
 out, another engine wins and caches it (the paper's Section 6.2,

@@ -141,17 +141,20 @@ class EngineScheduler(EngineFeedback):
             if self.recent_outputs else 0
 
     def room_wait_s(self, state: EngineState, now: float, prompt_tokens: int,
-                    output_tokens: int, block_keys: Sequence[int], block_size: int) -> float:
+                    output_tokens: int, block_keys: Sequence[int], block_size: int,
+                    step_s: float | None = None) -> float:
         """Seconds before the engine's KV cache has room for a request sent
         now (kv_room.py); 0 when its size is unknown.  Each request there
         holds the blocks of its prompt and expected output until its
         expected first token (a queued one: its predicted prefill end) plus
         its expected output at the engine's decode step; other clients'
-        running requests are priced as the typical request of ours."""
+        running requests are priced as the typical request of ours.
+        ``step_s``: the engine's decode step with the request in its batch
+        (``tbt_s``), when the caller has it."""
         capacity = state.capacity_blocks
         if capacity is None or block_size <= 0:
             return 0.0
-        step = self.tbt_s(state, prompt_tokens)
+        step = self.tbt_s(state, prompt_tokens) if step_s is None else step_s
         held: set[int] = set()
         holders: list[Holder] = []
         for rid, r in state.requests.items():
@@ -183,12 +186,18 @@ class EngineScheduler(EngineFeedback):
             + foreign * self.typical_prompt(prompt_tokens)
         return state.decode_est.seconds(batch, context)
 
-    def ttft_spread_s(self, name: str, level: int, now: float) -> float:
-        """How far above its median the engine's TTFT residual goes: the
-        admission-quantile residual less the median (>= 0), what a TTFT
-        prediction there errs by."""
+    def ttft_residuals_at(self, name: str, level: int, now: float) -> tuple[float, float]:
+        """(median, spread) of the engine's TTFT residuals: the median is
+        what the choice adds to a prediction, the spread (the admission-
+        quantile residual less the median, >= 0) what a prediction there
+        errs by."""
         r = self.ttft_residuals
-        return max(0.0, r.bound(name, level, now) - r.median(name, level, now))
+        median, bound = r.residuals(name, level, now, (0.5, r.quantile))
+        return median, max(0.0, bound - median)
+
+    def ttft_spread_s(self, name: str, level: int, now: float) -> float:
+        """The spread of ``ttft_residuals_at``."""
+        return self.ttft_residuals_at(name, level, now)[1]
 
     def ttft_admit_limit(self, name: str, level: int, now: float) -> float:
         """The highest predicted TTFT (model + median residual) admitted: the
@@ -236,19 +245,19 @@ class EngineScheduler(EngineFeedback):
             # At least the last prompt token is computed: it makes the first output token.
             prefix = max(0, min(held, prompt_tokens - 1))
             held_by[name] = held
+            tbt = self.tbt_s(state, prompt_tokens)
             t_room = self.room_wait_s(state, now, prompt_tokens, output_tokens, block_keys,
-                                      block_size)
+                                      block_size, tbt)
             t_queue = max(self.queue_s(state, now, prompt_tokens), t_room)
             t_prefill = self.estimator_for(state).seconds(prompt_tokens, prefix)
             model = t_queue + t_prefill
-            ttft = model + self.ttft_residuals.median(name, level, now)
-            tbt = self.tbt_s(state, prompt_tokens)
+            median, spreads[name] = self.ttft_residuals_at(name, level, now)
+            ttft = model + median
             cached = None if cached_blocks is None else cached_blocks.get(name)
             eviction = self.eviction_s(state, prompt_tokens, held, block_size, cached)
             decision = EngineDecision(request_id, name, prefix, ttft, tbt, t_queue, t_prefill,
                                       eviction, t_room)
             priced.append((name, prefix, ttft, decision.cost_s))
-            spreads[name] = self.ttft_spread_s(name, level, now)
             limit = max(0.0, cfg.ttft_slo_s - spreads[name])
             if cfg.reject and ttft > limit:
                 why = ("ttft_slo", decision, limit)

@@ -65,18 +65,28 @@ def weighted_quantile(samples: list[tuple[float, float]], q: float) -> float:
     """The lower weighted ``q``-quantile of ``(value, weight)`` pairs: the
     smallest value ``v`` with ``sum(w for x <= v) >= q * sum(w)``.  Pairs of
     weight <= 0 are ignored; 0.0 when none remain."""
+    return weighted_quantiles(samples, (q,))[0]
+
+
+def weighted_quantiles(samples: list[tuple[float, float]],
+                       qs: tuple[float, ...]) -> tuple[float, ...]:
+    """``weighted_quantile`` at each of ``qs``, the pairs sorted once."""
     pairs = sorted((v, w) for v, w in samples if w > 0)
     total = sum(w for _, w in pairs)
     if total <= 0:
-        return 0.0
-    target = q * total
-    acc = 0.0
-    for v, w in pairs:
-        acc += w
-        # Relative slack: sums of float weights must not miss an exact tie.
-        if acc >= target * (1 - 1e-12):
-            return v
-    return pairs[-1][0]
+        return tuple(0.0 for _ in qs)
+    out = []
+    for q in qs:
+        target = q * total
+        acc, value = 0.0, pairs[-1][0]
+        for v, w in pairs:
+            acc += w
+            # Relative slack: sums of float weights must not miss an exact tie.
+            if acc >= target * (1 - 1e-12):
+                value = v
+                break
+        out.append(value)
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -161,10 +171,16 @@ class ResidualModel:
         (the weights all shrink alike), and refusing brings no new samples,
         so a node would be refused for ever.  Aged below ``min_samples`` it
         falls back up the chain, and at last to the cost model alone."""
+        read = self._read(node, level, now)
+        return None if read is None else read[0]
+
+    def _read(self, node: str | None, level: int | None, now: float | None
+              ) -> tuple[Hashable, list[tuple[float, float]]] | None:
+        """``key_for``'s key with its weighted samples at ``level`` or lighter."""
         for key in self.chain(node, level):
-            weight = sum(w for _, w in self._weighted(key, now, level))
-            if weight >= self.min_samples * (1 - 1e-12):
-                return key
+            pairs = self._weighted(key, now, level)
+            if sum(w for _, w in pairs) >= self.min_samples * (1 - 1e-12):
+                return key, pairs
         return None
 
     def residual(self, node: str | None, level: int | None, now: float,
@@ -172,11 +188,13 @@ class ResidualModel:
         """The weighted ``q``-quantile residual (the admission quantile when
         None) of the key a query for ``node`` at ``level`` reads; 0.0 with
         no samples."""
-        key = self.key_for(node, level, now)
-        if key is None:
-            return 0.0
-        return weighted_quantile(self._weighted(key, now, level),
-                                 self.quantile if q is None else q)
+        return self.residuals(node, level, now, (self.quantile if q is None else q,))[0]
+
+    def residuals(self, node: str | None, level: int | None, now: float,
+                  qs: tuple[float, ...]) -> tuple[float, ...]:
+        """``residual`` at each of ``qs`` from one reading of the window."""
+        read = self._read(node, level, now)
+        return tuple(0.0 for _ in qs) if read is None else weighted_quantiles(read[1], qs)
 
     def median(self, node: str | None, level: int | None, now: float) -> float:
         """The weighted median residual: what node choice adds to a prediction."""

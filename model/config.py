@@ -137,9 +137,10 @@ class RuntimeConfig:
     device: str = "cpu"
     # Weight and KV dtype: float32, bfloat16, float16, or "auto": bfloat16
     # where the device computes it natively (a CPU with AVX512-BF16 or AMX
-    # whose bf16 products give a row the same bits whatever rows are beside
-    # it, probed at start; a CUDA device with bf16), float32 elsewhere
-    # (model/precision.py).  Every node of a cluster must use the same.
+    # whose bf16 products, plain or in fixed row tiles, give a row the same
+    # bits whatever rows are beside it, probed at start; a CUDA device with
+    # bf16), float32 elsewhere (model/precision.py, model/linear.py).  Every
+    # node of a cluster must use the same.
     dtype: str = "auto"
     # Tokens per prefill chunk (the paper chunks above ~1000).
     prefill_chunk: int = 1024

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from model.config import ModelConfig
 from model.decode_kv import SeqKV
+from model.linear import PREFILL_ROWS, REDUCED_PRECISION, STEP_ROWS, linear
 from model.weights import LayerWeights
 
 # Called once a layer's K/V of the tokens being computed is in the pages.
@@ -88,18 +89,19 @@ def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def mlp(x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
-    gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
+def mlp(x: torch.Tensor, w: LayerWeights, tile: int = PREFILL_ROWS) -> torch.Tensor:
+    gate, up = linear(x, w.gate_up, tile=tile).chunk(2, dim=-1)
     # In place on the projection's own output (nothing else holds it): two
     # [n, intermediate] temporaries less.
-    return F.linear(F.silu(gate, inplace=True).mul_(up), w.down)
+    return linear(F.silu(gate, inplace=True).mul_(up), w.down, tile=tile)
 
 
 def _qkv(x: torch.Tensor, w: LayerWeights, c: ModelConfig, cos: torch.Tensor,
-         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+         sin: torch.Tensor, tile: int = PREFILL_ROWS
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Projections of n tokens: q [n, heads, hd], k and v [n, kv_heads, hd], RoPE applied."""
     q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
+    q, k, v = linear(x, w.qkv, w.qkv_bias, tile).split([q_size, kv_size, kv_size], dim=-1)
     n = x.shape[0]
     q = Rope.apply(q.view(n, c.num_heads, c.head_dim), cos, sin)
     k = Rope.apply(k.view(n, c.num_kv_heads, c.head_dim), cos, sin)
@@ -187,7 +189,6 @@ def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     return ((out_p * w_p + out_c * w_c) / (w_p + w_c)).to(q.dtype)
 
 
-REDUCED_PRECISION = (torch.bfloat16, torch.float16)
 # Query rows per tile of tiled_attention: fixed, so that a row's arithmetic
 # is the same whichever chunk computes it.
 ATTENTION_TILE = 64
@@ -311,7 +312,7 @@ def prefill_layer(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer: int,
     keys, values = gather_kv(kv_pages, layer, block_table, end)
     out = chunk_attention(q.transpose(0, 1), keys, values, start, mask,
                           yield_point)  # [heads, n, hd]
-    x = x + F.linear(out.transpose(0, 1).reshape(n, -1), w.o)
+    x = x + linear(out.transpose(0, 1).reshape(n, -1), w.o)
     if yield_point is not None:
         yield_point()
     return x + mlp(rms_norm(x, w.mlp_norm, c.rms_eps), w)
@@ -343,7 +344,7 @@ def decode_layer(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer: int,
     the same [kv_heads, L, hd] shape, so the same result.
     """
     bsz = x.shape[0]
-    q, k, v = _qkv(rms_norm(x, w.attn_norm, c.rms_eps), w, c, cos, sin)
+    q, k, v = _qkv(rms_norm(x, w.attn_norm, c.rms_eps), w, c, cos, sin, STEP_ROWS)
     write_kv(kv_pages, layer, token_pages, token_slots, k, v)
     reduced = q.dtype in REDUCED_PRECISION
     if reduced:  # scaled once for the batch, not once per request
@@ -364,8 +365,8 @@ def decode_layer(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer: int,
             outs.append(F.scaled_dot_product_attention(
                 q[b, :, None, :][None], keys[None], values[None], enable_gqa=True))  # [1, heads, 1, hd]
     out = torch.cat(outs)
-    x = x + F.linear(out.reshape(bsz, -1), w.o)
-    return x + mlp(rms_norm(x, w.mlp_norm, c.rms_eps), w)
+    x = x + linear(out.reshape(bsz, -1), w.o, tile=STEP_ROWS)
+    return x + mlp(rms_norm(x, w.mlp_norm, c.rms_eps), w, STEP_ROWS)
 
 
 class VarlenSeq(NamedTuple):
@@ -404,7 +405,7 @@ def prefill_layer_varlen(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer
         out = chunk_attention(q[rows].transpose(0, 1), keys, values, s.start, s.mask,
                               yield_point)
         outs.append(out.transpose(0, 1).reshape(s.n, -1))
-    x = x + F.linear(torch.cat(outs), w.o)
+    x = x + linear(torch.cat(outs), w.o)
     if yield_point is not None:
         yield_point()
     return x + mlp(rms_norm(x, w.mlp_norm, c.rms_eps), w)

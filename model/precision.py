@@ -1,18 +1,18 @@
 """The compute dtype ``model.dtype = "auto"`` resolves to on this device.
 
 bfloat16 where the hardware multiplies it natively (a CPU with AVX512-BF16
-or AMX-BF16, whose bf16 matrix products run several times faster than
-float32 ones, with KV pages of half the bytes; or a CUDA device that
-supports it) and, on a CPU, where those products are row-invariant: a
-row's result is the same bits whatever the rows computed beside it.  At
-bfloat16 a different summation order moves a result by whole units of the
-last place, so a kernel that blocks its sums by the number of rows (or by
-where a row starts in memory, as oneDNN's AMX kernels do) gives a prompt's
-positions other bits when they are computed in a chunk of another size or
-after a cached prefix, and a greedy token can change with cache reuse,
-which the system promises it never does.  ``bf16_rows_invariant`` probes
-this machine once; float32 everywhere else (its rounding differences are
-~1e-7 of a value, far below what moves a token).  Checkpoints stored in
+or AMX-BF16, whose bf16 matrix products run faster than float32 ones, with
+KV pages of half the bytes; or a CUDA device that supports it) and, on a CPU, where the model's products can be made
+row-invariant: a row's result the same bits whatever the rows computed
+beside it.  At bfloat16 a different summation order moves a result by whole
+units of the last place, so a kernel that blocks its sums by the number of
+rows (as oneDNN's AMX kernels do) would give a prompt's positions other bits
+when they are computed in a chunk of another size or after a cached prefix,
+and a greedy token could change with cache reuse, which the system promises
+it never does; ``model.linear`` computes in fixed-size row tiles there.
+``bf16_rows_invariant`` probes this machine once; float32 everywhere else
+(its rounding differences are ~1e-7 of a value, far below what moves a
+token).  Checkpoints stored in
 float32 are downcast, as vLLM does on CPU; ``model.dtype = "float32"``
 keeps full precision (bit-for-bit agreement with a float32 reference).
 
@@ -47,33 +47,15 @@ def _this_cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
-# (first row, rows) of the probe's products: row counts either side of the
-# kernels' blockings (16, 32, 64) and starts that are not multiples of them.
-PROBE_SLICES = ((0, 1), (0, 3), (0, 16), (0, 17), (0, 37), (0, 64), (0, 65),
-                (5, 1), (21, 32), (40, 48), (64, 64), (7, 100))
-# (in, out) features of the probe's weights: a model's projections' range.
-PROBE_SHAPES = ((512, 768), (1408, 512))
-
-
-@lru_cache(maxsize=1)
 def bf16_rows_invariant() -> bool:
-    """Whether this CPU's bfloat16 matrix products (``F.linear``, what
-    every projection of the model is) give a row the same bits whatever
-    rows are computed with it and wherever it starts: slices of a batch
-    against the whole batch's product."""
+    """Whether the model's bfloat16 matrix products (``model.linear``, what
+    every projection is) give a row the same bits whatever rows are computed
+    with it and wherever it starts, at one and at two threads: plainly, or
+    in the fixed-size row tiles ``linear`` uses where plain ones are not."""
     import torch
-    import torch.nn.functional as F
 
-    gen = torch.Generator().manual_seed(0)
-    for k, n in PROBE_SHAPES:
-        w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
-        x = torch.randn(192, k, generator=gen).to(torch.bfloat16)
-        whole = F.linear(x, w)
-        for first, rows in PROBE_SLICES:
-            part = F.linear(x[first:first + rows], w)
-            if not torch.equal(part, whole[first:first + rows]):
-                return False
-    return True
+    from model.linear import rows_invariant
+    return rows_invariant(torch.bfloat16)
 
 
 def native_dtype(device: str, flags: frozenset[str] | None = None,

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from kvstore.layout import PageLayout
 from model.config import RuntimeConfig, page_layout
 from model.decode_kv import SeqKV
+from model.linear import STEP_ROWS, linear
 from model.llama import (Rope, VarlenSeq, YieldPoint, decode_layer, prefill_layer,
                          prefill_layer_varlen, chunk_mask, rms_norm)
 from model.weights import TORCH_DTYPES, ModelWeights, load_weights
@@ -127,7 +128,9 @@ class ModelRunner:
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weights
-        return F.linear(rms_norm(x, w.norm, self.config.rms_eps), w.lm_head).float()
+        # One row per request, prefill or decode: step tiles for both.
+        return linear(rms_norm(x, w.norm, self.config.rms_eps), w.lm_head,
+                      tile=STEP_ROWS).float()
 
     @torch.inference_mode()
     def prefill(self, token_ids: Sequence[int], block_table: Sequence[int],

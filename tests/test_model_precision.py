@@ -49,21 +49,65 @@ def test_auto_is_float32_where_bf16_products_depend_on_the_rows_beside():
     assert native_dtype("cpu", frozenset({"amx_bf16"}), rows_invariant=False) == "float32"
 
 
-def test_the_probe_agrees_with_products_it_did_not_try():
-    """bf16_rows_invariant() on this machine against a wider search: another
-    weight shape, batches sliced at other rows and lengths."""
+def test_the_probes_agree_with_products_they_did_not_try():
+    """The probes on this machine against a wider search: another weight
+    shape, batches sliced at other rows and lengths, at 1 and 2 threads.
+    ``plain_rows_invariant`` says what plain ``F.linear`` does;
+    ``bf16_rows_invariant`` (what auto decides by) what the model's
+    ``linear`` does, which must then hold here too."""
     import torch
     import torch.nn.functional as F
 
+    from model.linear import linear, plain_rows_invariant
     from model.precision import bf16_rows_invariant
 
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(2816, 512, generator=gen).to(torch.bfloat16)
     x = torch.randn(300, 512, generator=gen).to(torch.bfloat16)
-    whole = F.linear(x, w)
-    all_same = all(torch.equal(F.linear(x[a:a + n], w), whole[a:a + n])
-                   for a in range(0, 160, 3) for n in (1, 2, 5, 16, 17, 37, 64, 65, 100))
-    assert bf16_rows_invariant() == all_same
+    threads = torch.get_num_threads()
+
+    def invariant(product) -> bool:
+        try:
+            wholes = []
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                whole = product(x, w)
+                wholes.append(whole)
+                if not all(torch.equal(product(x[a:a + n], w), whole[a:a + n])
+                           for a in range(0, 160, 3) for n in (1, 2, 5, 16, 17, 37, 64, 65, 100)):
+                    return False
+            return torch.equal(wholes[0], wholes[1])
+        finally:
+            torch.set_num_threads(threads)
+
+    assert plain_rows_invariant(torch.bfloat16) == invariant(F.linear)
+    if bf16_rows_invariant():
+        assert invariant(linear)
+
+
+def test_tiled_products_are_the_plain_product_to_bf16_rounding():
+    """``linear``'s row tiles compute the same product (zero-padded rows do
+    not leak into real ones)."""
+    import torch
+    import torch.nn.functional as F
+
+    from model.linear import PREFILL_ROWS, STEP_ROWS, tiled_linear
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(384, 256, generator=gen)
+    b = torch.randn(384, generator=gen)
+    for tile in (PREFILL_ROWS, STEP_ROWS):
+        for n in (1, tile - 1, tile, 2 * tile + 5):
+            x = torch.randn(n, 256, generator=gen)
+            x16, w16, b16 = x.bfloat16(), w.bfloat16(), b.bfloat16()
+            want = F.linear(x16.float(), w16.float(), b16.float())
+            got = tiled_linear(x16, w16, b16, tile)
+            assert got.shape == (n, 384) and got.dtype == torch.bfloat16
+            # The result's own rounding to bf16 (8 bits of mantissa) and no more.
+            assert ((got.float() - want).abs() / (want.abs() + 1)).max().item() < 1 / 64
+            assert torch.equal(tiled_linear(x16[None], w16, b16, tile)[0], got)  # leading dims
+            assert torch.equal(tiled_linear(x16, w16, None, tile),
+                               tiled_linear(x16, w16, torch.zeros_like(b16), tile))
 
 
 def test_the_runtime_config_resolves_auto_once_and_keeps_explicit_dtypes():

@@ -1,0 +1,135 @@
+"""The model's matrix product with its weights: ``linear``, row-invariant.
+
+Every projection (q|k|v, o, gate|up, down, the LM head) goes through
+``linear``.  The system promises that a position's result is the same bits
+however its prompt was split (whole, in chunks, after a cached prefix, in a
+batch with other requests, in a decode step): then greedy tokens do not
+change with cache reuse.  That needs a product whose row does not depend on
+the rows computed beside it.
+
+At bfloat16/float16 on some CPUs it does: oneDNN's AMX kernels pick their
+blocking (and so the order of a row's sums) by the number of rows, and at
+reduced precision a different order moves a result by whole units of the
+last place.  There ``linear`` computes in tiles of a fixed number of rows
+(the last one zero-padded), so every product has the same shape and runs the
+same kernel; a row's bits then depend only on its own values.  A prompt's
+positions always go through prefill tiles and a decode step's rows through
+step tiles, so a position's KV and a step's logits are the same bits
+however requests were split and batched.  Where plain
+``F.linear`` is already row-invariant (float32 everywhere; bf16 on CPUs whose
+kernels do not block by rows), ``linear`` is ``F.linear``.  Both properties
+are probed on this machine once per dtype, at one, two and all of its
+threads (nodes of a cluster may run with any of them).
+"""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+# Rows per product where tiling is needed: a prompt's rows (prefill) in
+# tiles of PREFILL_ROWS, a decode step's batch and every LM head (one row
+# per request) in tiles of STEP_ROWS.  Each size must give a row the same
+# bits at any thread count (the probe checks): on an AMX CPU, 128-, 256- and
+# 512-row tiles changed a row's bits between one and two threads for some
+# weight shapes (the kernel then splits the sums across threads), 16 and 64
+# did not.  64-row tiles take ~3x the time of one whole product (still ~3x
+# faster than float32); a short suffix pays for a whole tile.
+PREFILL_ROWS = 64
+STEP_ROWS = 16
+REDUCED_PRECISION = (torch.bfloat16, torch.float16)
+
+# (first row, rows) of the probes' products: row counts either side of the
+# kernels' blockings (16, 32, 64) and starts that are not multiples of them.
+PROBE_SLICES = ((0, 1), (0, 3), (0, 16), (0, 17), (0, 37), (0, 64), (0, 65),
+                (5, 1), (21, 32), (40, 48), (64, 64), (7, 100))
+# (in, out) features of the probes' weights: a model's projections' range,
+# square and not, narrow and wide.
+PROBE_SHAPES = ((512, 768), (1408, 512), (704, 256), (256, 1408))
+
+
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 tile: int = PREFILL_ROWS) -> torch.Tensor:
+    """``F.linear`` of x [..., in] computed ``tile`` rows at a time, the
+    last tile zero-padded.  Products go straight into the output's rows
+    (``mm``/``addmm`` with ``out=``: the same bits as ``F.linear``)."""
+    if x.dim() != 2:
+        lead = x.shape[:-1]
+        return tiled_linear(x.reshape(-1, x.shape[-1]), weight, bias, tile).view(*lead, -1)
+    n = x.shape[0]
+    if n == tile:
+        return F.linear(x, weight, bias)
+    x = x.contiguous()
+    w_t = weight.t()
+    out = x.new_empty(n, weight.shape[0])
+    full = n - n % tile
+    for a in range(0, full, tile):
+        if bias is None:
+            torch.mm(x[a:a + tile], w_t, out=out[a:a + tile])
+        else:
+            torch.addmm(bias, x[a:a + tile], w_t, out=out[a:a + tile])
+    if full < n:
+        tail = x.new_zeros(tile, x.shape[1])
+        tail[:n - full] = x[full:]
+        out[full:] = F.linear(tail, weight, bias)[:n - full]
+    return out
+
+
+def _rows_invariant(product, dtype: torch.dtype) -> bool:
+    """Whether ``product(x, w)`` gives each row of a slice of a batch the
+    bits the whole batch's product gives it, at every thread count in
+    ``counts``, and the same bits at each."""
+    threads = torch.get_num_threads()
+    counts = sorted({1, 2, os.cpu_count() or 1})
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for k, n in PROBE_SHAPES:
+        cases.append((torch.randn(n, k, generator=gen).to(dtype),
+                      torch.randn(192, k, generator=gen).to(dtype)))
+    try:
+        reference = None
+        for t in counts:
+            torch.set_num_threads(t)
+            wholes = [product(x, w) for w, x in cases]
+            if reference is None:
+                reference = wholes
+            elif not all(torch.equal(a, b) for a, b in zip(wholes, reference)):
+                return False
+            for (w, x), whole in zip(cases, wholes):
+                for first, rows in PROBE_SLICES:
+                    if not torch.equal(product(x[first:first + rows], w),
+                                       whole[first:first + rows]):
+                        return False
+        return True
+    finally:
+        torch.set_num_threads(threads)
+
+
+@lru_cache(maxsize=None)
+def plain_rows_invariant(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether this CPU's plain ``F.linear`` at ``dtype`` is row-invariant."""
+    return _rows_invariant(F.linear, dtype)
+
+
+@lru_cache(maxsize=None)
+def rows_invariant(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether ``linear`` (what the model computes with) is row-invariant
+    at ``dtype`` on this CPU: plainly, or in tiles of both sizes."""
+    return plain_rows_invariant(dtype) or all(
+        _rows_invariant(lambda x, w, t=tile: tiled_linear(x, w, None, t), dtype)
+        for tile in (PREFILL_ROWS, STEP_ROWS))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           tile: int = PREFILL_ROWS) -> torch.Tensor:
+    """x [..., in] times weight [out, in] (+ bias): [..., out], each row's bits
+    independent of the others where this machine allows (see the module).
+    ``tile``: ``PREFILL_ROWS`` for a prompt's positions, ``STEP_ROWS`` for
+    a decode step's and for the LM head; used only where plain products are
+    not row-invariant."""
+    if x.dtype in REDUCED_PRECISION and x.device.type == "cpu" \
+            and not plain_rows_invariant(x.dtype):
+        return tiled_linear(x, weight, bias, tile)
+    return F.linear(x, weight, bias)

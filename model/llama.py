@@ -55,7 +55,14 @@ class Rope:
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [len(positions), head_dim] for ``apply``."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
+        # In float64, rounded once to the compute dtype.  torch's float32
+        # cos/sin have given one OpenMP thread's share of a call errors of
+        # 1.5e-4 (on one call in three or four, after other work in the
+        # process; the next call on the same values was exact to 4e-8),
+        # enough to change a position's K bits at bfloat16 from node to node
+        # and to move a float32 logit; float64 keeps such errors far below
+        # either dtype's last bit.
+        emb = torch.cat([freqs, freqs], dim=-1).double()
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     @staticmethod

@@ -290,3 +290,23 @@ def test_token_attention_matches_float32_attention_to_bf16_rounding():
     got = token_attention(q.bfloat16(), k.bfloat16(), v.bfloat16())
     assert got.shape == (4, 64) and got.dtype == torch.bfloat16
     assert (got.float() - want).abs().max().item() < 0.02
+
+
+def test_rope_tables_are_the_float64_values_rounded_once():
+    """RoPE's cos/sin come from float64, rounded once to the compute dtype:
+    float32 cos/sin are not correctly rounded, and have been seen off by
+    1.5e-4 on one thread's share of a call, which must not reach a
+    position's K bits (bfloat16) or its logits (float32)."""
+    import torch
+
+    from model.config import load_model_config
+    from model.llama import Rope
+
+    rope = Rope(load_model_config("dummy"))
+    positions = torch.arange(0, 4096)
+    freqs = positions.to(torch.float32)[:, None] * rope.inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1).double()
+    for dtype in (torch.float32, torch.bfloat16):
+        cos, sin = rope.cos_sin(positions, dtype)
+        assert torch.equal(cos, emb.cos().to(dtype)), dtype
+        assert torch.equal(sin, emb.sin().to(dtype)), dtype

@@ -9,6 +9,7 @@ the GIL inside its kernels), so a node calls it from a worker thread.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from kvstore.layout import PageLayout
 from model.config import RuntimeConfig, page_layout
 from model.decode_kv import SeqKV
-from model.linear import STEP_ROWS, linear
+from model.linear import STEP_ROWS, linear, prepare
 from model.llama import (Rope, VarlenSeq, YieldPoint, decode_layer, prefill_layer,
                          prefill_layer_varlen, chunk_mask, rms_norm)
 from model.weights import TORCH_DTYPES, ModelWeights, load_weights
@@ -92,6 +93,16 @@ class ModelRunner:
         if kv_pages.dtype != weights.dtype or kv_pages.device != weights.device:
             raise ValueError(f"kv_pages is {kv_pages.dtype} on {kv_pages.device}, weights are "
                              f"{weights.dtype} on {weights.device}")
+        # Projections in the form ``linear`` computes with on this machine
+        # (packed where bf16 products need tiles: model/linear.py), replaced
+        # in ``weights`` so that they are held once.  A tied LM head is the
+        # embedding too, which must stay a matrix: packed as a copy.
+        for i, lw in enumerate(weights.layers):
+            weights.layers[i] = replace(lw, qkv=prepare(lw.qkv), o=prepare(lw.o),
+                                        gate_up=prepare(lw.gate_up), down=prepare(lw.down))
+        if weights.lm_head is not None and weights.lm_head is not weights.embed:
+            weights.lm_head = prepare(weights.lm_head)
+        self.lm_head = None if weights.lm_head is None else prepare(weights.lm_head)
         self.weights = weights
         self.config = c
         self.kv_pages = kv_pages
@@ -129,7 +140,7 @@ class ModelRunner:
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weights
         # One row per request, prefill or decode: step tiles for both.
-        return linear(rms_norm(x, w.norm, self.config.rms_eps), w.lm_head,
+        return linear(rms_norm(x, w.norm, self.config.rms_eps), self.lm_head,
                       tile=STEP_ROWS).float()
 
     @torch.inference_mode()

@@ -58,7 +58,7 @@ def test_the_probes_agree_with_products_they_did_not_try():
     import torch
     import torch.nn.functional as F
 
-    from model.linear import linear, plain_rows_invariant
+    from model.linear import linear, plain_rows_invariant, prepare
     from model.precision import bf16_rows_invariant
 
     gen = torch.Generator().manual_seed(7)
@@ -83,6 +83,38 @@ def test_the_probes_agree_with_products_they_did_not_try():
     assert plain_rows_invariant(torch.bfloat16) == invariant(F.linear)
     if bf16_rows_invariant():
         assert invariant(linear)
+        # As a runner computes: with the weight in the form prepare() gives.
+        assert invariant(lambda rows, weight: linear(rows, prepare(weight)))
+
+
+def test_packed_weights_are_used_only_where_tiles_are_and_compute_the_same_product():
+    import torch
+    import torch.nn.functional as F
+
+    from model.linear import (PREFILL_ROWS, STEP_ROWS, PackedWeight, packed_tiles,
+                              plain_rows_invariant, prepare, tiled_linear)
+
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(384, 256, generator=gen)
+    assert prepare(w) is w                                    # float32: never packed
+    w16 = w.bfloat16()
+    prepared = prepare(w16)
+    assert isinstance(prepared, PackedWeight) == packed_tiles(torch.bfloat16)
+    if plain_rows_invariant(torch.bfloat16):
+        assert prepared is w16
+    if not isinstance(prepared, PackedWeight):
+        pytest.skip("this machine does not pack bf16 weights (plain products are "
+                    "row-invariant, or this torch cannot pack)")
+    assert prepare(prepared) is prepared
+    assert (prepared.out_features, prepared.in_features) == (384, 256)
+    b16 = torch.randn(384, generator=gen).bfloat16()
+    for tile in (PREFILL_ROWS, STEP_ROWS):
+        for n in (1, tile, 2 * tile + 3):
+            x16 = torch.randn(n, 256, generator=gen).bfloat16()
+            want = F.linear(x16.float(), w16.float(), b16.float())
+            got = tiled_linear(x16, prepared, b16, tile)
+            assert got.shape == (n, 384) and got.dtype == torch.bfloat16
+            assert ((got.float() - want).abs() / (want.abs() + 1)).max().item() < 1 / 64
 
 
 def test_tiled_products_are_the_plain_product_to_bf16_rounding():

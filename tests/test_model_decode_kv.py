@@ -37,7 +37,7 @@ def weights():
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def any_weights(request):
-    """float32 attends with SDPA, bfloat16 with ``scaled_token_attention``."""
+    """A decode step in float32 and in bfloat16 (both attend with SDPA)."""
     return dummy_weights(CFG, seed=11, dtype=request.param)
 
 

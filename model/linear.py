@@ -91,35 +91,26 @@ Weight = torch.Tensor | PackedWeight
 def tiled_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
                  tile: int = PREFILL_ROWS) -> torch.Tensor:
     """``F.linear`` of x [..., in] computed ``tile`` rows at a time, the
-    last tile zero-padded.  Plain weights' products go straight into the
-    output's rows (``mm``/``addmm`` with ``out=``: the same bits as
-    ``F.linear``)."""
+    last tile zero-padded."""
     if x.dim() != 2:
         lead = x.shape[:-1]
         return tiled_linear(x.reshape(-1, x.shape[-1]), weight, bias, tile).view(*lead, -1)
     n = x.shape[0]
     x = x.contiguous()
-    packed = isinstance(weight, PackedWeight)
-    if n == tile:
-        return weight.product(x, bias) if packed else F.linear(x, weight, bias)
-    full = n - n % tile
-    if packed:
-        out = x.new_empty(n, weight.out_features)
-        for a in range(0, full, tile):
-            out[a:a + tile] = weight.product(x[a:a + tile], bias)
+    if isinstance(weight, PackedWeight):
+        product, out_features = weight.product, weight.out_features
     else:
-        w_t = weight.t()
-        out = x.new_empty(n, weight.shape[0])
-        for a in range(0, full, tile):
-            if bias is None:
-                torch.mm(x[a:a + tile], w_t, out=out[a:a + tile])
-            else:
-                torch.addmm(bias, x[a:a + tile], w_t, out=out[a:a + tile])
+        product, out_features = (lambda rows, b: F.linear(rows, weight, b)), weight.shape[0]
+    if n == tile:
+        return product(x, bias)
+    out = x.new_empty(n, out_features)
+    full = n - n % tile
+    for a in range(0, full, tile):
+        out[a:a + tile] = product(x[a:a + tile], bias)
     if full < n:
         tail = x.new_zeros(tile, x.shape[1])
         tail[:n - full] = x[full:]
-        out[full:] = (weight.product(tail, bias) if packed
-                      else F.linear(tail, weight, bias))[:n - full]
+        out[full:] = product(tail, bias)[:n - full]
     return out
 
 

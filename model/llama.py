@@ -55,13 +55,11 @@ class Rope:
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [len(positions), head_dim] for ``apply``."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        # In float64, rounded once to the compute dtype.  torch's float32
-        # cos/sin have given one OpenMP thread's share of a call errors of
-        # 1.5e-4 (on one call in three or four, after other work in the
-        # process; the next call on the same values was exact to 4e-8),
-        # enough to change a position's K bits at bfloat16 from node to node
-        # and to move a float32 logit; float64 keeps such errors far below
-        # either dtype's last bit.
+        # In float64, rounded once to the compute dtype: torch's float32
+        # cos/sin can give an OpenMP thread's share of a call errors of
+        # ~1e-4, enough to change a position's K bits at bfloat16 between
+        # nodes and to move a float32 logit; in float64 such errors stay far
+        # below either dtype's last bit.
         emb = torch.cat([freqs, freqs], dim=-1).double()
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -338,9 +336,8 @@ def decode_layer(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer: int,
             keys, values = gather_kv(kv_pages, layer, block_tables[b], ends[b] + 1)
         else:
             keys, values = mirror.append(layer, ends[b], new_kv[b])
-        # The flash kernel, at every dtype: in bf16 on an AMX CPU 2.4-2.8x
-        # faster than two bmm and a softmax (19 / 33 / 127 us against 54 /
-        # 80 / 308 for 300 / 1k / 4k keys).  A request's row is computed
+        # The flash kernel at every dtype (in bf16 on an AMX CPU ~2.5x
+        # faster than two bmm and a softmax).  A request's row is computed
         # alone, so its bits do not depend on the batch.
         outs.append(F.scaled_dot_product_attention(
             q[b, :, None, :][None], keys[None], values[None], enable_gqa=True))  # [1, heads, 1, hd]

@@ -2,19 +2,20 @@
 
 bfloat16 where the hardware multiplies it natively (a CPU with AVX512-BF16
 or AMX-BF16, whose bf16 matrix products run faster than float32 ones, with
-KV pages of half the bytes; or a CUDA device that supports it) and, on a CPU, where the model's products can be made
-row-invariant: a row's result the same bits whatever the rows computed
-beside it.  At bfloat16 a different summation order moves a result by whole
-units of the last place, so a kernel that blocks its sums by the number of
-rows (as oneDNN's AMX kernels do) would give a prompt's positions other bits
-when they are computed in a chunk of another size or after a cached prefix,
-and a greedy token could change with cache reuse, which the system promises
-it never does; ``model.linear`` computes in fixed-size row tiles there.
+KV pages of half the bytes; or a CUDA device that supports it) and, on a
+CPU, where the model's products can be made row-invariant: a row's result
+the same bits whatever the rows computed beside it.  At bfloat16 a
+different summation order moves a result by whole units of the last place,
+so a kernel that blocks its sums by the number of rows (as oneDNN's AMX
+kernels do) would give a prompt's positions other bits when they are
+computed in a chunk of another size or after a cached prefix, and a greedy
+token could change with cache reuse, which the system promises it never
+does; ``model.linear`` computes in fixed-size row tiles there.
 ``bf16_rows_invariant`` probes this machine once; float32 everywhere else
 (its rounding differences are ~1e-7 of a value, far below what moves a
-token).  Checkpoints stored in
-float32 are downcast, as vLLM does on CPU; ``model.dtype = "float32"``
-keeps full precision (bit-for-bit agreement with a float32 reference).
+token).  Checkpoints stored in float32 are downcast, as vLLM does on CPU;
+``model.dtype = "float32"`` keeps full precision (bit-for-bit agreement
+with a float32 reference).
 
 Every node of a cluster must hold KV in the same dtype (the conductor
 ignores a node whose KV layout differs from the cluster's), so machines of
@@ -50,7 +51,7 @@ def _this_cpu_flags() -> frozenset[str]:
 def bf16_rows_invariant() -> bool:
     """Whether the model's bfloat16 matrix products (``model.linear``, what
     every projection is) give a row the same bits whatever rows are computed
-    with it and wherever it starts, at one and at two threads: plainly, or
+    with it and wherever it starts, at one, two and all threads: plainly, or
     in the fixed-size row tiles ``linear`` uses where plain ones are not."""
     import torch
 

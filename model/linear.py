@@ -34,12 +34,15 @@ import torch.nn.functional as F
 # Rows per product where tiling is needed: a prompt's rows (prefill) in
 # tiles of PREFILL_ROWS, a decode step's batch and every LM head (one row
 # per request) in tiles of STEP_ROWS.  Each size must give a row the same
-# bits at any thread count (the probe checks): on an AMX CPU, 128-, 256- and
-# 512-row tiles changed a row's bits between one and two threads for some
-# weight shapes (the kernel then splits the sums across threads), 16 and 64
-# did not.  64-row tiles take ~3x the time of one whole product (still ~3x
-# faster than float32); a short suffix pays for a whole tile.
-PREFILL_ROWS = 64
+# bits at any thread count (the probe checks).  On an AMX CPU a tile of up
+# to THREADED_ROWS rows does at one thread and at several; a larger one
+# does not (the kernel then splits a row's sums across threads), but it
+# does when computed on one thread.  So tiles above THREADED_ROWS run on
+# one thread: 128-row tiles there take ~0.6x the time of 64-row tiles at
+# any thread count (at 64 rows a second thread gains nothing either); a
+# short suffix pays for a whole tile.
+THREADED_ROWS = 64
+PREFILL_ROWS = 128
 STEP_ROWS = 16
 REDUCED_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -91,7 +94,7 @@ Weight = torch.Tensor | PackedWeight
 def tiled_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
                  tile: int = PREFILL_ROWS) -> torch.Tensor:
     """``F.linear`` of x [..., in] computed ``tile`` rows at a time, the
-    last tile zero-padded."""
+    last tile zero-padded; on one thread where ``tile`` > ``THREADED_ROWS``."""
     if x.dim() != 2:
         lead = x.shape[:-1]
         return tiled_linear(x.reshape(-1, x.shape[-1]), weight, bias, tile).view(*lead, -1)
@@ -101,17 +104,25 @@ def tiled_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = No
         product, out_features = weight.product, weight.out_features
     else:
         product, out_features = (lambda rows, b: F.linear(rows, weight, b)), weight.shape[0]
-    if n == tile:
-        return product(x, bias)
-    out = x.new_empty(n, out_features)
-    full = n - n % tile
-    for a in range(0, full, tile):
-        out[a:a + tile] = product(x[a:a + tile], bias)
-    if full < n:
-        tail = x.new_zeros(tile, x.shape[1])
-        tail[:n - full] = x[full:]
-        out[full:] = product(tail, bias)[:n - full]
-    return out
+    threads = torch.get_num_threads()
+    one_thread = tile > THREADED_ROWS and threads > 1
+    if one_thread:
+        torch.set_num_threads(1)
+    try:
+        if n == tile:
+            return product(x, bias)
+        out = x.new_empty(n, out_features)
+        full = n - n % tile
+        for a in range(0, full, tile):
+            out[a:a + tile] = product(x[a:a + tile], bias)
+        if full < n:
+            tail = x.new_zeros(tile, x.shape[1])
+            tail[:n - full] = x[full:]
+            out[full:] = product(tail, bias)[:n - full]
+        return out
+    finally:
+        if one_thread:
+            torch.set_num_threads(threads)
 
 
 def _rows_invariant(product, dtype: torch.dtype) -> bool:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from model.config import ModelConfig
 from model.decode_kv import SeqKV
 from model.linear import PREFILL_ROWS, REDUCED_PRECISION, STEP_ROWS, linear
+from model.tiled_attention import ATTENTION_TILE, tiled_attention  # noqa: F401 (re-exported)
 from model.weights import LayerWeights
 
 # Called once a layer's K/V of the tokens being computed is in the pages.
@@ -192,68 +193,6 @@ def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     top = torch.maximum(lse_p, lse_c)
     w_p, w_c = torch.exp(lse_p - top), torch.exp(lse_c - top)
     return ((out_p * w_p + out_c * w_c) / (w_p + w_c)).to(q.dtype)
-
-
-# Query rows per tile of tiled_attention: fixed, so that a row's arithmetic
-# is the same whichever chunk computes it.
-ATTENTION_TILE = 64
-
-
-def tiled_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    start: int, yield_point: YieldPoint | None = None) -> torch.Tensor:
-    """Causal attention of q [heads, n, hd] (positions [start, start + n))
-    over keys/values [kv_heads, >= start + n, hd], in tiles of
-    ``ATTENTION_TILE`` query positions aligned to absolute positions.
-
-    Every row of a tile attends over the same key count, the tile's end
-    rounded up (keys past the prompt are zeros, masked), in matrix products
-    whose rows do not depend on each other; so a position's output is the
-    same bits whether its prompt is computed whole, in chunks, or after a
-    cached prefix: at reduced precision, where a different summation order
-    moves results by whole units of the last place, that is what keeps tokens
-    identical with and without cache reuse.  The scores are products in the
-    inputs' dtype and the softmax accumulates in float32; bf16 matrix
-    products use the CPU's native bf16 instructions, which the flash kernel
-    does not.  ``yield_point`` is called between two tiles: what it runs
-    on this thread must not touch this request's pages (a tile's inputs are
-    its own copies and buffers)."""
-    heads, n, hd = q.shape
-    kv_heads = keys.shape[0]
-    group = heads // kv_heads
-    end = start + n
-    tile = ATTENTION_TILE
-    padded = -(-end // tile) * tile
-    k_pad = keys.new_zeros(kv_heads, padded, hd)
-    k_pad[:, :end] = keys[:, :end]
-    v_pad = values.new_zeros(kv_heads, padded, hd)
-    v_pad[:, :end] = values[:, :end]
-    k_t = k_pad.transpose(1, 2)
-    # A kv head's `group` query heads share its keys: one product for all.
-    qg = (q * hd ** -0.5).view(kv_heads, group, n, hd)
-    out = q.new_empty(kv_heads, group, n, hd)
-    # Only a tile's own square needs a mask: every earlier key precedes its rows.
-    future = torch.ones(tile, tile, dtype=torch.bool, device=q.device).triu_(1)
-    # Scores and probabilities of every tile in two buffers sized for the
-    # last (largest) tile: megabytes allocated per tile went back to the OS
-    # and were faulted in again, kernel time that slowed every process.
-    largest = kv_heads * group * min(tile, n) * padded
-    score_buf, prob_buf = q.new_empty(largest), q.new_empty(largest)
-    first = start // tile
-    for t in range(first, (end - 1) // tile + 1):
-        if yield_point is not None and t > first:
-            yield_point()
-        a, b = max(t * tile, start), min((t + 1) * tile, end)
-        rows, seen = b - a, (t + 1) * tile
-        size = kv_heads * group * rows * seen
-        scores = score_buf[:size].view(kv_heads, group * rows, seen)
-        torch.bmm(qg[:, :, a - start:b - start].reshape(kv_heads, group * rows, hd),
-                  k_t[:, :, :seen], out=scores)
-        scores.view(kv_heads, group, rows, seen)[..., t * tile:].masked_fill_(
-            future[a - t * tile:b - t * tile], float("-inf"))
-        probs = torch.softmax(scores, -1, out=prob_buf[:size].view(kv_heads, group * rows, seen))
-        out[:, :, a - start:b - start] = torch.bmm(probs, v_pad[:, :seen]).view(
-            kv_heads, group, rows, hd)
-    return out.view(heads, n, hd)
 
 
 def prefix_causal_mask(n: int, start: int, dtype: torch.dtype,

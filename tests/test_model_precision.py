@@ -199,6 +199,92 @@ def test_tiled_attention_gives_each_position_the_same_bits_in_any_chunking():
         assert torch.equal(head, whole[:, :start]), start
 
 
+def test_both_attention_tile_kernels_give_a_row_the_same_bits_in_any_chunking():
+    """The fused kernel (where the probe allows it) and the matrix-product
+    one: each chunk-invariant, and both the causal attention to bf16
+    rounding."""
+    import torch
+    import torch.nn.functional as F
+
+    from model.tiled_attention import _flash_tiles, _product_tiles, flash_tiles_invariant
+
+    gen = torch.Generator().manual_seed(8)
+    n = 200
+    q = torch.randn(4, n, 64, generator=gen).bfloat16()
+    k = torch.randn(2, n, 64, generator=gen).bfloat16()
+    v = torch.randn(2, n, 64, generator=gen).bfloat16()
+    reference = F.scaled_dot_product_attention(q[None].float(), k[None].float(), v[None].float(),
+                                               is_causal=True, enable_gqa=True)[0]
+    kernels = [_product_tiles] + ([_flash_tiles] if flash_tiles_invariant(torch.bfloat16) else [])
+    for kernel in kernels:
+        whole = kernel(q, k, v, 0, None)
+        assert (whole.float() - reference).abs().max().item() < 0.03, kernel.__name__
+        for a, b in ((0, 1), (3, 64), (64, 65), (70, 200), (128, 199)):
+            assert torch.equal(kernel(q[:, a:b], k[:, :b], v[:, :b], a, None), whole[:, a:b]), \
+                (kernel.__name__, a, b)
+
+
+def test_the_flash_probe_refuses_a_kernel_whose_rows_depend_on_the_others(monkeypatch):
+    """A fused kernel whose result moves with the number of rows computed
+    together (as a kernel blocking by rows would) fails the probe, and
+    attention then uses the matrix-product tiles."""
+    import torch
+
+    import model.tiled_attention as ta
+
+    real = ta.F.scaled_dot_product_attention
+
+    def rows_dependent(q, k, v, **kw):
+        out = real(q, k, v, **kw)
+        return out + (q.shape[-2] % 7) * 2.0 ** -6      # a last-place change per row count
+
+    ta.flash_tiles_invariant.cache_clear()
+    monkeypatch.setattr(ta.F, "scaled_dot_product_attention", rows_dependent)
+    try:
+        assert not ta.flash_tiles_invariant(torch.bfloat16)
+        used = []
+        monkeypatch.setattr(ta, "_product_tiles",
+                            lambda *a: used.append(1) or torch.zeros(4, 3, 8).bfloat16())
+        q = torch.zeros(4, 3, 8).bfloat16()
+        kv = torch.zeros(2, 3, 8).bfloat16()
+        ta.tiled_attention(q, kv, kv, 0)
+        assert used == [1]
+    finally:
+        ta.flash_tiles_invariant.cache_clear()
+    assert not ta.flash_tiles_invariant(torch.float32)     # float32 never needs tiles
+
+
+def test_tiles_above_the_threaded_size_run_on_one_thread_and_restore_the_count(monkeypatch):
+    """Tiles larger than THREADED_ROWS are computed on one thread (a row's
+    bits then do not depend on the node's thread count); the caller's
+    thread count is back afterwards, also when the product fails."""
+    import torch
+
+    import model.linear as lin
+
+    assert lin.PREFILL_ROWS > lin.THREADED_ROWS >= lin.STEP_ROWS
+    seen = []
+
+    def product(rows, weight, bias=None):
+        seen.append(torch.get_num_threads())
+        return rows @ weight.t()
+
+    monkeypatch.setattr(lin.F, "linear", product)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        w = torch.zeros(8, 4)
+        lin.tiled_linear(torch.zeros(lin.PREFILL_ROWS + 1, 4), w, None, lin.PREFILL_ROWS)
+        lin.tiled_linear(torch.zeros(3, 4), w, None, lin.STEP_ROWS)
+        assert seen == [1, 1, 2]
+        assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError):
+            lin.tiled_linear(torch.zeros(3, 5), w, None, lin.PREFILL_ROWS)   # shapes mismatch
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def _skip_unless_bf16_rows_invariant() -> None:
     """Bit-for-bit claims across splits and batches hold where a bf16
     product's row does not depend on the rows beside it: where auto picks

@@ -1,0 +1,180 @@
+"""Causal prefill attention at reduced precision whose rows do not depend
+on the chunking: ``tiled_attention``.
+
+A prompt may be computed whole, in chunks, or after a cached prefix; at
+bfloat16 a different summation order moves a result by whole units of the
+last place, so a position's attention output must come from the same
+arithmetic every time, or greedy tokens could change with cache reuse.
+Tiles of ``ATTENTION_TILE`` query positions aligned to absolute positions
+give that: every row of a tile attends over the same key count (the tile's
+end rounded up; keys past the prompt are zeros, masked), so a position's
+keys, their blocking and the kernel are the same however its prompt was
+split.  What remains is that a kernel's row must not depend on the other
+query rows computed with it (a tile's first rows, or its last, may be
+absent when a chunk starts or the prompt ends inside it).
+
+Two kernels per tile: the CPU's fused flash kernel with the tile's mask
+(~2x faster here: no score matrix written and read back), used where
+``flash_tiles_invariant`` finds its rows independent on this machine at
+one, two and all threads; else two matrix products and a softmax, whose
+rows are independent by construction of the products.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+# Query rows per tile: fixed, so that a row's arithmetic is the same
+# whichever chunk computes it.
+ATTENTION_TILE = 64
+
+YieldPoint = Callable[[], None]
+
+
+def tiled_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    start: int, yield_point: YieldPoint | None = None) -> torch.Tensor:
+    """Causal attention of q [heads, n, hd] (positions [start, start + n))
+    over keys/values [kv_heads, >= start + n, hd], in tiles of
+    ``ATTENTION_TILE`` query positions aligned to absolute positions: a
+    position's output is the same bits whether its prompt is computed
+    whole, in chunks, or after a cached prefix.  ``yield_point`` is called
+    between two tiles: what it runs on this thread must not touch this
+    request's pages (a tile's inputs are its own copies and buffers)."""
+    kernel = _flash_tiles if flash_tiles_invariant(q.dtype) else _product_tiles
+    return kernel(q, keys, values, start, yield_point)
+
+
+def _padded_kv(keys: torch.Tensor, values: torch.Tensor, end: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [0, end) copied into buffers of whole tiles, zeros past end."""
+    kv_heads, _, hd = keys.shape
+    padded = -(-end // ATTENTION_TILE) * ATTENTION_TILE
+    k_pad = keys.new_zeros(kv_heads, padded, hd)
+    k_pad[:, :end] = keys[:, :end]
+    v_pad = values.new_zeros(kv_heads, padded, hd)
+    v_pad[:, :end] = values[:, :end]
+    return k_pad, v_pad
+
+
+def _tiles(start: int, end: int):
+    """(tile index, first row, end row) of each tile holding [start, end)."""
+    tile = ATTENTION_TILE
+    for t in range(start // tile, (end - 1) // tile + 1):
+        yield t, max(t * tile, start), min((t + 1) * tile, end)
+
+
+def _future(device: torch.device) -> torch.Tensor:
+    """[tile, tile] True where a key of a tile's own square follows the query."""
+    return torch.ones(ATTENTION_TILE, ATTENTION_TILE, dtype=torch.bool, device=device).triu_(1)
+
+
+def _flash_tiles(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                 yield_point: YieldPoint | None) -> torch.Tensor:
+    """Each tile by the fused kernel over keys [0, tile end) with an
+    additive mask that is -inf only in the tile's own square above its
+    diagonal."""
+    heads, n, hd = q.shape
+    end = start + n
+    tile = ATTENTION_TILE
+    k_pad, v_pad = _padded_kv(keys, values, end)
+    out = q.new_empty(heads, n, hd)
+    future = _future(q.device)
+    # One mask buffer sized for the last (largest) tile, zero outside the
+    # square each tile sets and clears again.
+    mask_buf = q.new_zeros(min(tile, n) * k_pad.shape[1])
+    for t, a, b in _tiles(start, end):
+        if yield_point is not None and a > start:
+            yield_point()
+        rows, seen = b - a, (t + 1) * tile
+        mask = mask_buf[:rows * seen].view(rows, seen)
+        own = mask[:, t * tile:]
+        own.masked_fill_(future[a - t * tile:b - t * tile], float("-inf"))
+        out[:, a - start:b - start] = F.scaled_dot_product_attention(
+            q[None, :, a - start:b - start], k_pad[None, :, :seen], v_pad[None, :, :seen],
+            attn_mask=mask, enable_gqa=True)[0]
+        own.zero_()
+    return out
+
+
+def _product_tiles(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                   yield_point: YieldPoint | None) -> torch.Tensor:
+    """Each tile as scores (a product in the inputs' dtype), a float32-
+    accumulated softmax, and a product with the values: matrix products
+    whose rows do not depend on each other."""
+    heads, n, hd = q.shape
+    kv_heads = keys.shape[0]
+    group = heads // kv_heads
+    end = start + n
+    tile = ATTENTION_TILE
+    k_pad, v_pad = _padded_kv(keys, values, end)
+    padded = k_pad.shape[1]
+    k_t = k_pad.transpose(1, 2)
+    # A kv head's `group` query heads share its keys: one product for all.
+    qg = (q * hd ** -0.5).view(kv_heads, group, n, hd)
+    out = q.new_empty(kv_heads, group, n, hd)
+    future = _future(q.device)
+    # Scores and probabilities of every tile in two buffers sized for the
+    # last (largest) tile: megabytes allocated per tile went back to the OS
+    # and were faulted in again, kernel time that slowed every process.
+    largest = kv_heads * group * min(tile, n) * padded
+    score_buf, prob_buf = q.new_empty(largest), q.new_empty(largest)
+    for t, a, b in _tiles(start, end):
+        if yield_point is not None and a > start:
+            yield_point()
+        rows, seen = b - a, (t + 1) * tile
+        size = kv_heads * group * rows * seen
+        scores = score_buf[:size].view(kv_heads, group * rows, seen)
+        torch.bmm(qg[:, :, a - start:b - start].reshape(kv_heads, group * rows, hd),
+                  k_t[:, :, :seen], out=scores)
+        scores.view(kv_heads, group, rows, seen)[..., t * tile:].masked_fill_(
+            future[a - t * tile:b - t * tile], float("-inf"))
+        probs = torch.softmax(scores, -1, out=prob_buf[:size].view(kv_heads, group * rows, seen))
+        out[:, :, a - start:b - start] = torch.bmm(probs, v_pad[:, :seen]).view(
+            kv_heads, group, rows, hd)
+    return out.view(heads, n, hd)
+
+
+# (start, end) of the probe's chunks of a 5-tile prompt: starts inside a
+# tile and on its edge, ends inside one, single rows, a whole prompt.
+PROBE_CHUNKS = ((0, 300), (0, 1), (0, 37), (1, 64), (16, 200), (64, 300), (69, 131),
+                (128, 129), (250, 300), (299, 300))
+# (heads, kv_heads, head_dim) of the probe's models: grouped and not.
+PROBE_HEADS = ((4, 2, 64), (8, 8, 32), (6, 2, 128))
+
+
+@lru_cache(maxsize=None)
+def flash_tiles_invariant(dtype: torch.dtype) -> bool:
+    """Whether the fused kernel gives each tile row of ``dtype`` the same
+    bits whatever other rows of its tile are computed with it, at one, two
+    and all of this machine's threads (nodes may run with any of them)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False
+    threads = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(0)
+    try:
+        for heads, kv_heads, hd in PROBE_HEADS:
+            n = PROBE_CHUNKS[0][1]
+            q = torch.randn(heads, n, hd, generator=gen).to(dtype)
+            k = torch.randn(kv_heads, n, hd, generator=gen).to(dtype)
+            v = torch.randn(kv_heads, n, hd, generator=gen).to(dtype)
+            reference = None
+            for count in sorted({1, 2, os.cpu_count() or 1}):
+                torch.set_num_threads(count)
+                whole = _flash_tiles(q, k, v, 0, None)
+                if reference is None:
+                    reference = whole
+                elif not torch.equal(whole, reference):
+                    return False
+                for a, b in PROBE_CHUNKS[1:]:
+                    if not torch.equal(_flash_tiles(q[:, a:b], k[:, :b], v[:, :b], a, None),
+                                       reference[:, a:b]):
+                        return False
+        return True
+    except RuntimeError:     # a torch whose CPU kernel lacks this dtype or masks
+        return False
+    finally:
+        torch.set_num_threads(threads)

@@ -60,8 +60,13 @@ def model_identity(model: str) -> str:
 
 
 # The sources of the code ``measure`` times: a change to them changes the
-# speeds, so it is part of the cache key.
-TIMED_SOURCES = ("model/llama.py", "model/runner.py", "model/decode_kv.py")
+# speeds, so it is part of the cache key.  Every module of the forward pass
+# (what model/runner.py imports from the model package) but those that only
+# describe the model (config: its shapes, in the key as the model's identity;
+# weights: loading; precision: the dtype, in the key itself).
+TIMED_SOURCES = ("model/llama.py", "model/runner.py", "model/decode_kv.py", "model/linear.py",
+                 "model/tiled_attention.py")
+UNTIMED_MODEL_SOURCES = ("model/config.py", "model/weights.py", "model/precision.py")
 
 
 def code_identity(root: Path = Path(__file__).resolve().parent.parent) -> str:

@@ -287,6 +287,22 @@ def test_contradicting_layout_flags_are_refused(monkeypatch, tmp_path, args):
     assert "--layout" in result.output
 
 
+def test_every_module_of_the_forward_pass_is_in_the_measurements_key():
+    """A kernel moved into a module of its own (the projections' row tiles,
+    the prefill attention tiles) still invalidates cached speeds: every
+    model module the runner imports is timed, or named as not."""
+    import sys
+    from pathlib import Path
+
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys, model.runner; print(' '.join(sorted("
+         "m for m in sys.modules if m.startswith('model.'))))"],
+        capture_output=True, text=True, check=True, cwd=Path(layout_measure.__file__).parents[1])
+    imported = {"model/" + m.split(".", 1)[1] + ".py" for m in out.stdout.split()}
+    assert imported <= set(layout_measure.TIMED_SOURCES) | set(layout_measure.UNTIMED_MODEL_SOURCES)
+    assert not set(layout_measure.TIMED_SOURCES) & set(layout_measure.UNTIMED_MODEL_SOURCES)
+
+
 def test_a_change_to_the_timed_model_code_measures_again(tmp_path):
     """The cache stands for the speed of the code it timed: a new decode or
     prefill kernel must not be scored with the old one's numbers."""

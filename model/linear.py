@@ -26,6 +26,8 @@ blocked layout, reordered once instead of on every product.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from functools import lru_cache
 
 import torch
@@ -53,6 +55,26 @@ PROBE_SLICES = ((0, 1), (0, 3), (0, 16), (0, 17), (0, 37), (0, 64), (0, 65),
 # (in, out) features of the probes' weights: a model's projections' range,
 # square and not, narrow and wide.
 PROBE_SHAPES = ((512, 768), (1408, 512), (704, 256), (256, 1408))
+
+
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op thread count set to ``count`` inside the block, the
+    caller's restored after it (also when the block raises)."""
+    before = torch.get_num_threads()
+    if count != before:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        if count != before:
+            torch.set_num_threads(before)
+
+
+def probe_thread_counts() -> list[int]:
+    """The thread counts a row-invariance probe checks a kernel at: one, two
+    and all of this machine's (nodes of a cluster may run with any)."""
+    return sorted({1, 2, os.cpu_count() or 1})
 
 
 def _packing_ops() -> bool:
@@ -104,11 +126,7 @@ def tiled_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = No
         product, out_features = weight.product, weight.out_features
     else:
         product, out_features = (lambda rows, b: F.linear(rows, weight, b)), weight.shape[0]
-    threads = torch.get_num_threads()
-    one_thread = tile > THREADED_ROWS and threads > 1
-    if one_thread:
-        torch.set_num_threads(1)
-    try:
+    with torch_threads(1) if tile > THREADED_ROWS else nullcontext():
         if n == tile:
             return product(x, bias)
         out = x.new_empty(n, out_features)
@@ -120,26 +138,20 @@ def tiled_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = No
             tail[:n - full] = x[full:]
             out[full:] = product(tail, bias)[:n - full]
         return out
-    finally:
-        if one_thread:
-            torch.set_num_threads(threads)
 
 
 def _rows_invariant(product, dtype: torch.dtype) -> bool:
     """Whether ``product(x, w)`` gives each row of a slice of a batch the
-    bits the whole batch's product gives it, at every thread count in
-    ``counts``, and the same bits at each."""
-    threads = torch.get_num_threads()
-    counts = sorted({1, 2, os.cpu_count() or 1})
+    bits the whole batch's product gives it, at every thread count of
+    ``probe_thread_counts``, and the same bits at each."""
     gen = torch.Generator().manual_seed(0)
     cases = []
     for k, n in PROBE_SHAPES:
         cases.append((torch.randn(n, k, generator=gen).to(dtype),
                       torch.randn(192, k, generator=gen).to(dtype)))
-    try:
-        reference = None
-        for t in counts:
-            torch.set_num_threads(t)
+    reference = None
+    for t in probe_thread_counts():
+        with torch_threads(t):
             wholes = [product(x, w) for w, x in cases]
             if reference is None:
                 reference = wholes
@@ -150,9 +162,7 @@ def _rows_invariant(product, dtype: torch.dtype) -> bool:
                     if not torch.equal(product(x[first:first + rows], w),
                                        whole[first:first + rows]):
                         return False
-        return True
-    finally:
-        torch.set_num_threads(threads)
+    return True
 
 
 @lru_cache(maxsize=None)

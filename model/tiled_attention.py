@@ -21,12 +21,13 @@ rows are independent by construction of the products.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
+
+from model.linear import probe_thread_counts, torch_threads
 
 # Query rows per tile: fixed, so that a row's arithmetic is the same
 # whichever chunk computes it.
@@ -149,11 +150,10 @@ PROBE_HEADS = ((4, 2, 64), (8, 8, 32), (6, 2, 128))
 @lru_cache(maxsize=None)
 def flash_tiles_invariant(dtype: torch.dtype) -> bool:
     """Whether the fused kernel gives each tile row of ``dtype`` the same
-    bits whatever other rows of its tile are computed with it, at one, two
-    and all of this machine's threads (nodes may run with any of them)."""
+    bits whatever other rows of its tile are computed with it, at each of
+    ``probe_thread_counts``."""
     if dtype not in (torch.bfloat16, torch.float16):
         return False
-    threads = torch.get_num_threads()
     gen = torch.Generator().manual_seed(0)
     try:
         for heads, kv_heads, hd in PROBE_HEADS:
@@ -162,19 +162,17 @@ def flash_tiles_invariant(dtype: torch.dtype) -> bool:
             k = torch.randn(kv_heads, n, hd, generator=gen).to(dtype)
             v = torch.randn(kv_heads, n, hd, generator=gen).to(dtype)
             reference = None
-            for count in sorted({1, 2, os.cpu_count() or 1}):
-                torch.set_num_threads(count)
-                whole = _flash_tiles(q, k, v, 0, None)
-                if reference is None:
-                    reference = whole
-                elif not torch.equal(whole, reference):
-                    return False
-                for a, b in PROBE_CHUNKS[1:]:
-                    if not torch.equal(_flash_tiles(q[:, a:b], k[:, :b], v[:, :b], a, None),
-                                       reference[:, a:b]):
+            for count in probe_thread_counts():
+                with torch_threads(count):
+                    whole = _flash_tiles(q, k, v, 0, None)
+                    if reference is None:
+                        reference = whole
+                    elif not torch.equal(whole, reference):
                         return False
+                    for a, b in PROBE_CHUNKS[1:]:
+                        if not torch.equal(_flash_tiles(q[:, a:b], k[:, :b], v[:, :b], a, None),
+                                           reference[:, a:b]):
+                            return False
         return True
     except RuntimeError:     # a torch whose CPU kernel lacks this dtype or masks
         return False
-    finally:
-        torch.set_num_threads(threads)

@@ -72,6 +72,37 @@ def test_prefix_fetched_from_peer_and_kv_streamed_per_layer(cluster):
         post_json(holder_url + "/admin/undrain", {}, ADMIN)
 
 
+def decode_status(cluster) -> dict:
+    decode = next(c for c in cluster.children if c.role == "decode")
+    return get_json(decode.url + "/admin/status")[1]["decode"]
+
+
+def test_the_prefill_node_starts_the_decode_once_its_kv_has_landed(cluster):
+    """The decode node starts from the prefill node's start (sent as soon as
+    its KV WRITEs are acknowledged), not only from the conductor's, which
+    attaches to it; the tokens are the oracle's either way."""
+    before = decode_status(cluster)["started_by_prefill"]
+    prompt = tokens(50, seed=4242)
+    status, body = complete(cluster.url, prompt, max_tokens=7)
+    assert status == 200, body
+    trace = trace_of(cluster.url, body)
+    assert trace["prefill_node"] != trace["decode_node"]
+    assert trace["output_token_ids"] == reference_greedy("tiny", prompt, 7)
+    # The counter is read from the node's load, which the request changed.
+    assert decode_status(cluster)["started_by_prefill"] == before + 1
+    wait_until(lambda: not leaked(cluster), 10, what="pages released")
+
+
+def test_a_start_from_prefill_needs_the_reservation_and_its_capability(cluster):
+    decode = next(c for c in cluster.children if c.role == "decode")
+    start = {"request_id": "no-such-request", "prompt_len": 3, "first_token": 1}
+    status, body = post_json(decode.url + "/internal/decode/start",
+                             {"start": start, "capability": 7})
+    assert status == 404, body
+    status, body = post_json(decode.url + "/internal/decode/start", {"start": start})
+    assert status == 400 and "decode.start.capability" in body["error"]["message"], body
+
+
 def test_client_disconnect_frees_everything(cluster):
     body = {"model": "tiny", "prompt": tokens(40, seed=7), "max_tokens": 2000, "temperature": 0,
             "ignore_eos": True, "stream": True}

@@ -24,6 +24,9 @@ Routes (``Route``; POST unless marked GET), request -> reply:
                  /internal/decode/generate     DecodeStart        -> NDJSON lines: TokenLine
                                                                      ... or a final StreamError
                  /internal/decode/touch        RequestRef         -> Ok (404: no reservation)
+                 /internal/decode/start        DecodeStartFromPrefill -> Ok (404: no
+                                                                     reservation; 403: wrong
+                                                                     capability; 409: started)
                  /internal/decode/cancel       RequestRef         -> Cancelled
   conductor      /internal/nodes/register      NodeRegistration   -> RegistrationAck
                  /internal/nodes/heartbeat     Heartbeat          -> Ok (404: register again)
@@ -69,6 +72,7 @@ class Route:
     DECODE_RESERVE = "/internal/decode/reserve"
     DECODE_GENERATE = "/internal/decode/generate"
     DECODE_TOUCH = "/internal/decode/touch"
+    DECODE_START = "/internal/decode/start"
     DECODE_CANCEL = "/internal/decode/cancel"
     NODE_REGISTER = "/internal/nodes/register"
     NODE_HEARTBEAT = "/internal/nodes/heartbeat"
@@ -451,6 +455,18 @@ class DecodeStart(Message):
 
 
 @dataclass(frozen=True)
+class DecodeStartFromPrefill(Message):
+    """Prefill node -> decode node, once the request's KV has landed there:
+    start decoding from the first token now, before the conductor's own
+    ``DecodeStart`` (a round trip through it later) attaches to the stream.
+    ``capability``: the reservation's WRITE capability, which the prefill
+    node holds from its grant; a start that does not carry it is refused."""
+    WHERE = "decode.start"
+    start: DecodeStart = wire(message(DecodeStart))
+    capability: int = wire(integer())
+
+
+@dataclass(frozen=True)
 class TokenLine(Message):
     """One NDJSON line of the decode stream."""
     WHERE = "token"
@@ -521,6 +537,10 @@ class PrefillRequest(Message):
     # None: no prediction to keep (the node batches by its token budget alone).
     budget: PrefillBudget | None = wire(message(PrefillBudget), None, omit_none=True)
     reserve_here: int = wire(integer(), 0, omit_zero=True)
+    # The decode node's URL when it is another node than the prefill node:
+    # the prefill node starts the decode there itself once the KV has
+    # landed (DecodeStartFromPrefill).  None: the conductor's start only.
+    decode_url: str | None = wire(optional(name), None, omit_none=True)
 
     @classmethod
     def from_wire(cls, obj: Any, where: str | None = None, *,
@@ -882,6 +902,9 @@ class NodeLoad(Message):
     context_tokens: int | None = reported(integer())       # KV positions of the running batch
     tokens_out: int | None = reported(integer())
     steps: int | None = reported(integer())
+    # Sequences their prefill started (its own node's, or a peer's once the
+    # KV had landed) before the conductor's start attached, since start.
+    started_by_prefill: int | None = reported(integer())
     # Contiguous KV copies of running sequences (decode.contiguous_kv_mb).
     mirrored: int | None = reported(integer())
     mirror_bytes: int | None = reported(integer())

@@ -365,7 +365,10 @@ class Dispatcher:
                                                                 decision.transfer.to_block),
                     cpp=CppPlan(stage_urls) if stage_urls else None,
                     budget=self._prefill_budget(decision.predicted_ttft_s, decision.t_prefill,
-                                                t0))
+                                                t0),
+                    # Another node decodes: the prefill node starts it there as
+                    # soon as the KV has landed (our start then attaches).
+                    decode_url=decode.url if decode.node_id != prefill.node_id else None)
                 # No on_prefill_started here: the request may still wait in the
                 # node's queue, and counting its estimate down from now would make
                 # a busy node look idle.  Its whole estimate stays booked until the

@@ -7,6 +7,9 @@ POST /internal/decode/generate  DecodeStart {request_id, prompt_len, first_token
                                              prompt_token_ids?}
                                 -> NDJSON stream: a TokenLine {"token", "logprob",
                                    "finish_reason"} per line, or a last StreamError {"error"}
+POST /internal/decode/start     DecodeStartFromPrefill -> Ok: the prefill node starts the
+                                decode as soon as the KV has landed; the conductor's
+                                generate then attaches to the tokens decoded meanwhile
 POST /internal/decode/touch     RequestRef: keep a reservation alive while its prefill runs
 POST /internal/decode/cancel    RequestRef -> Cancelled
 """
@@ -25,9 +28,9 @@ from model.tokenizer import load_tokenizer
 from mooncaked.node.context import NodeContext
 from mooncaked.node.errors import ApiError, read_json
 from mooncaked.node.internal_client import bad_message, read_message, reply
-from mooncaked.node.messages import (Cancelled, DecodeStart, MessageError, Ok, RequestRef,
-                                     ReservationGrant, ReservationRequest, Route, StreamError,
-                                     TokenLine)
+from mooncaked.node.messages import (Cancelled, DecodeStart, DecodeStartFromPrefill,
+                                     MessageError, Ok, RequestRef, ReservationGrant,
+                                     ReservationRequest, Route, StreamError, TokenLine)
 from roles.decode.batcher import DecodeBatcher
 from roles.worker import add_membership
 from roles.worker_node import WORKER, WorkerNode, add_worker_resources
@@ -106,6 +109,28 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+async def start_from_prefill(request: web.Request) -> web.Response:
+    """The prefill node's start (its KV WRITEs all acknowledged, so in the
+    pages): decoding begins now; the conductor's generate attaches to it.
+    Nothing is released on a refusal: the conductor's own start, which
+    follows, meets the same refusal (or finds the request started) and
+    reports it to the client."""
+    msg = await read_message(request, DecodeStartFromPrefill, 1 << 20)
+    batcher = request.app[BATCHER]
+    start = msg.start
+    try:
+        if batcher.capability(start.request_id) != msg.capability:
+            raise ApiError(403, f"decode.start.capability: not the capability of the "
+                                f"reservation of {start.request_id}", param="decode.start.capability")
+        batcher.start(start.request_id, start.prompt_len, start.first_token, start.sampling,
+                      start.prompt_token_ids, early=True)
+    except KeyError:
+        raise ApiError(404, f"no reservation for request {start.request_id}") from None
+    except ValueError as exc:
+        raise ApiError(409, f"decode of {start.request_id} not started here: {exc}") from None
+    return reply(Ok())
+
+
 async def touch(request: web.Request) -> web.Response:
     ref = await read_message(request, RequestRef, 1 << 20, "decode.touch")
     if not request.app[BATCHER].touch(ref.request_id):
@@ -155,6 +180,7 @@ def add_decode_service(app: web.Application, ctx: NodeContext) -> None:
     app.router.add_post(Route.DECODE_GENERATE, generate)
     app.router.add_post(Route.DECODE_CANCEL, cancel)
     app.router.add_post(Route.DECODE_TOUCH, touch)
+    app.router.add_post(Route.DECODE_START, start_from_prefill)
 
 
 def setup_decode(app: web.Application, ctx: NodeContext) -> None:

@@ -77,9 +77,10 @@ class Sequence:
     out: asyncio.Queue | None = None
     finished: str | None = None
     started: bool = False
-    # A generate stream reads its tokens.  A sequence a colocated node's own
-    # prefill started (``start(early=True)``) decodes before the conductor's
-    # DecodeStart attaches to it, and expires like a reservation until then.
+    # A generate stream reads its tokens.  A sequence its prefill started
+    # (``start(early=True)``: this colocated node's own, or a peer's once its
+    # KV had landed) decodes before the conductor's DecodeStart attaches to
+    # it, and expires like a reservation until then.
     attached: bool = False
     mirror: SeqKV | None = None  # only while running, within the batcher's budget
 
@@ -130,6 +131,7 @@ class DecodeBatcher:
         self.step_samples: deque[DecodeStepSample] = deque(maxlen=REPORTED_STEPS)
         self.tokens_out = 0
         self.steps = 0
+        self.started_by_prefill = 0
         # Invariant: mirror_bytes == the sum of the running sequences' mirrors'
         # nbytes <= mirror_budget (0: no mirrors).
         self.mirror_budget = contiguous_kv_bytes
@@ -185,11 +187,12 @@ class DecodeBatcher:
               early: bool = False) -> asyncio.Queue:
         """``prompt_ids``: the prompt, needed when ``sampling.needs_prompt``.
 
-        ``early``: the prefill of this node itself starts the sequence as it
-        samples the first token (a colocated node whose reservation it
-        filled), so its first decode step need not wait for the conductor's
-        round trip; the conductor's own start then attaches to it (the same
-        prompt and first token) and reads the tokens decoded meanwhile."""
+        ``early``: the prefill that filled the reservation starts the
+        sequence as it samples the first token (this colocated node's own,
+        or a peer's once all its KV WRITEs are acknowledged), so its first
+        decode step need not wait for the conductor's round trip; the
+        conductor's own start then attaches to it (the same prompt and
+        first token) and reads the tokens decoded meanwhile."""
         seq = self.seqs.get(request_id)
         if seq is None:
             raise KeyError(f"no reservation for request {request_id} (expired or cancelled)")
@@ -214,6 +217,7 @@ class DecodeBatcher:
         seq.prompt_ids = list(prompt_ids or ())
         seq.started = True
         seq.attached = not early
+        self.started_by_prefill += early
         seq.prompt_len = prompt_len
         seq.sampling = sampling
         seq.generator = sampling.make_generator()
@@ -366,6 +370,7 @@ class DecodeBatcher:
             recent_tbt_s=times[len(times) // 2] if times else 0.0,
             context_tokens=sum(s.position + 1 for s in self.running),
             tokens_out=self.tokens_out, steps=self.steps,
+            started_by_prefill=self.started_by_prefill,
             # Contiguous KV copies of running sequences (decode.contiguous_kv_mb).
             mirrored=sum(s.mirror is not None for s in self.running),
             mirror_bytes=self.mirror_bytes, mirror_budget_bytes=self.mirror_budget,

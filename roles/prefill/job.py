@@ -16,6 +16,7 @@ every path out (success, failure, cancellation).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -25,13 +26,20 @@ from kvstore.shard import StoreFullError, StoreShard
 from model.sampling import sample_top
 from model.structured import GrammarMatcher
 from mooncaked.node.internal_client import UNBOUNDED, InternalCallError
-from mooncaked.node.messages import (FetchPlan, LeaseGrant, LeaseRelease, LeaseRequest,
-                                     PrefillReply, PrefillRequest, ReservationGrant, Route,
-                                     StoredBlocks)
+from mooncaked.node.messages import (DecodeStart, DecodeStartFromPrefill, FetchPlan,
+                                     LeaseGrant, LeaseRelease, LeaseRequest, Ok, PrefillReply,
+                                     PrefillRequest, ReservationGrant, Route, StoredBlocks)
 from rdma.types import TransferError, TransferOp, TransferRequest
 from roles.worker_node import WorkerNode
 
 log = logging.getLogger("mooncaked.prefill")
+
+# A decode start sent to a peer gives up after this: the conductor's own
+# start, a moment later, starts the decode anyway.
+START_THERE_TIMEOUT_S = 5.0
+# Starts sent to decode peers and not answered yet: referenced here until
+# done (the event loop keeps only weak references to tasks).
+_starts_in_flight: set[asyncio.Task] = set()
 
 
 class PrefillCancelled(Exception):
@@ -311,6 +319,7 @@ class PrefillJob:
         await asyncio.gather(*self.sends)
         result.timings.transfer_wait_s = time.perf_counter() - t_wait
         self._start_decode_here(result.first_token)
+        self._start_decode_there(result.first_token)
         if self.stream_log:
             result.timings.first_layer_sent_s = self.stream_log[0][2] - t_compute
         result.timings.total_s = time.perf_counter() - self.t_start
@@ -332,6 +341,27 @@ class PrefillJob:
                   spec.token_ids if spec.sampling.needs_prompt else None)
         except (KeyError, ValueError) as exc:
             log.info("%s: decode not started with the first token here: %s", spec.request_id, exc)
+
+    def _start_decode_there(self, first_token: int) -> None:
+        """On a prefill whose reservation is another node's (``decode_url``)
+        and whose KV WRITEs are all acknowledged (so in its pages), that node
+        is told to start decoding now, beside the reply: its first step then
+        overlaps the reply's way to the conductor and the conductor's start
+        back, which attaches to it.  Not awaited, and a failure only logged:
+        the conductor's start follows in any case."""
+        spec = self.spec
+        if spec.decode_url is None or spec.cpp is not None \
+                or spec.decode.segment == self.worker.engine.name:
+            return
+        message = DecodeStartFromPrefill(
+            DecodeStart(spec.request_id, len(spec.token_ids), first_token, spec.sampling,
+                        spec.token_ids if spec.sampling.needs_prompt else None),
+            capability=spec.decode.capability)
+        task = asyncio.ensure_future(self.client.call(
+            spec.decode_url + Route.DECODE_START, message, Ok.from_wire,
+            what="starting the decode", timeout=START_THERE_TIMEOUT_S))
+        _starts_in_flight.add(task)
+        task.add_done_callback(functools.partial(_start_sent, spec.request_id))
 
     async def run(self) -> PrefillReply:
         """The whole job: prepare, compute on the compute thread, finish; cleans up."""
@@ -413,6 +443,17 @@ class PrefillJob:
         if self.private_pages:
             self.shard.free(self.private_pages)
             self.private_pages = []
+
+
+def _start_sent(request_id: str, task: asyncio.Task) -> None:
+    _starts_in_flight.discard(task)
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        # Usually the conductor's start got there first (409) or the request
+        # ended meanwhile (404): nothing lost either way.
+        log.info("%s: decode not started from here: %s", request_id, exc)
 
 
 async def prefetch(worker: WorkerNode, source_url: str, token_ids: list[int], block_keys: list[int],

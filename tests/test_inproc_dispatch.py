@@ -488,13 +488,19 @@ async def test_a_refused_reservation_reaches_the_client_before_any_event(conduct
 
 # ---- the client goes away --------------------------------------------------------
 
-async def test_closing_before_the_prefill_cancels_on_both_nodes(conductor_for):
-    c = await conductor_for()
+async def test_the_prefill_is_out_before_the_scheduled_event_is_consumed(conductor_for):
+    """The front end writes the client's response headers after Scheduled
+    and only then asks for the next event: the prefill does not wait for
+    that; closing at Scheduled cancels it on both nodes."""
+    c = await conductor_for(FakePrefill(hold=asyncio.Event()))
     gen = c.dispatcher.generate("req-c0", PROMPT, sampling())
     assert isinstance(await gen.__anext__(), Scheduled)
+    await asyncio.wait_for(c.prefill.started.wait(), 5)   # the next event not asked for
+    assert [r.request_id for r in c.prefill.received] == ["req-c0"]
     await gen.aclose()
-    assert c.prefill.received == []
     assert (c.prefill.cancels, c.decode.cancels) == (["req-c0"], ["req-c0"])
+    await asyncio.wait_for(c.prefill.gone.wait(), 5)      # the prefill connection was closed
+    assert c.decode.generates == []
     assert c.dispatcher.traces["req-c0"].status == "cancelled"
     c.assert_capacity_returned()
 

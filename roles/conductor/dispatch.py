@@ -225,6 +225,21 @@ class Dispatcher:
         trace.transfer_planned_from = source.node_id if source else None
         return source
 
+    @staticmethod
+    def _scheduled(request_id: str, decision, trace: RequestTrace) -> Scheduled:
+        """The plan as the client's x-mooncaked-* headers report it."""
+        return Scheduled({
+            "request_id": request_id, "prefill_node": decision.prefill_node,
+            "decode_node": decision.decode_node, "policy": decision.policy,
+            "prefix_tokens_planned": decision.prefix_tokens,
+            # What x-mooncaked-cached-tokens reports (docs/api.md): the prefix
+            # hit planned with; the hit the prefill node achieved is in usage.
+            "cached_tokens": decision.prefix_tokens,
+            "local_prefix_tokens_planned": decision.local_prefix_tokens,
+            "transfer": trace.transfer_planned_from,
+            "predicted_ttft_ms": round(decision.predicted_ttft_s * 1000, 2),
+            "predicted_tbt_ms": round(decision.predicted_tbt_s * 1000, 2)})
+
     def _remember(self, trace: RequestTrace) -> None:
         self.traces[trace.request_id] = trace
         while len(self.traces) > self.keep_traces:
@@ -344,20 +359,6 @@ class Dispatcher:
                         timeout=RESERVE_TIMEOUT_S)
                     reserved = True
                     trace.reserve_s = time.perf_counter() - t
-                if attempt == 1:
-                    # One Scheduled per request: its headers describe the first
-                    # plan; a rerouted request's final nodes are in /admin/requests.
-                    yield Scheduled({
-                        "request_id": request_id, "prefill_node": decision.prefill_node,
-                        "decode_node": decision.decode_node, "policy": decision.policy,
-                        "prefix_tokens_planned": decision.prefix_tokens,
-                        # What x-mooncaked-cached-tokens reports (docs/api.md): the prefix
-                        # hit planned with; the hit the prefill node achieved is in usage.
-                        "cached_tokens": decision.prefix_tokens,
-                        "local_prefix_tokens_planned": decision.local_prefix_tokens,
-                        "transfer": trace.transfer_planned_from,
-                        "predicted_ttft_ms": round(decision.predicted_ttft_s * 1000, 2),
-                        "predicted_tbt_ms": round(decision.predicted_tbt_s * 1000, 2)})
                 spec = PrefillRequest(
                     request_id, token_ids, keys, decode=reservation, sampling=sampling,
                     reserve_here=len(token_ids) + sampling.max_tokens if folded else 0,
@@ -376,9 +377,26 @@ class Dispatcher:
                 keepalive = asyncio.ensure_future(self._keep_reserved(decode.url, request_id))
                 try:
                     t = time.perf_counter()
-                    result = await self._call_prefill(
+                    # Sent before the Scheduled event is handed out: its consumer
+                    # writes the client's response headers before it asks for
+                    # the next event, and the prefill must not wait for that.
+                    call = asyncio.ensure_future(self._call_prefill(
                         prefill.node_id, prefill.url, spec,
-                        self.prefill_deadline_s(decision.predicted_ttft_s))
+                        self.prefill_deadline_s(decision.predicted_ttft_s)))
+                    try:
+                        if attempt == 1:
+                            # One Scheduled per request: its headers describe the
+                            # first plan; a rerouted request's final nodes are in
+                            # /admin/requests.
+                            yield self._scheduled(request_id, decision, trace)
+                        result = await call
+                    finally:
+                        # The consumer closed us at the yield (or we were
+                        # cancelled): the call goes too; the node's job is
+                        # cancelled below, as for any unfinished prefill.
+                        if not call.done():
+                            call.cancel()
+                            await asyncio.wait([call])
                     trace.prefill_rpc_s = time.perf_counter() - t
                     break
                 except PrefillRefused as exc:

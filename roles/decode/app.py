@@ -121,7 +121,8 @@ async def start_from_prefill(request: web.Request) -> web.Response:
     try:
         if batcher.capability(start.request_id) != msg.capability:
             raise ApiError(403, f"decode.start.capability: not the capability of the "
-                                f"reservation of {start.request_id}", param="decode.start.capability")
+                                f"reservation of {start.request_id}",
+                           param="decode.start.capability")
         batcher.start(start.request_id, start.prompt_len, start.first_token, start.sampling,
                       start.prompt_token_ids, early=True)
     except KeyError:

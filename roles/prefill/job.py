@@ -453,7 +453,7 @@ def _start_sent(request_id: str, task: asyncio.Task) -> None:
     if exc is not None:
         # Usually the conductor's start got there first (409) or the request
         # ended meanwhile (404): nothing lost either way.
-        log.info("%s: decode not started from here: %s", request_id, exc)
+        log.debug("%s: decode not started from here: %s", request_id, exc)
 
 
 async def prefetch(worker: WorkerNode, source_url: str, token_ids: list[int], block_keys: list[int],

@@ -318,50 +318,41 @@ class PrefillJob:
         t_wait = time.perf_counter()
         await asyncio.gather(*self.sends)
         result.timings.transfer_wait_s = time.perf_counter() - t_wait
-        self._start_decode_here(result.first_token)
-        self._start_decode_there(result.first_token)
+        self._start_decode(result.first_token)
         if self.stream_log:
             result.timings.first_layer_sent_s = self.stream_log[0][2] - t_compute
         result.timings.total_s = time.perf_counter() - self.t_start
         return result
 
-    def _start_decode_here(self, first_token: int) -> None:
-        """On a colocated node whose own reservation holds the KV (the copy
-        is done: local sends complete at once), decoding starts now rather
-        than when the conductor's start arrives, which then attaches to it.
-        Refused (reservation gone, grammar, ...): the conductor's start meets
-        the same refusal and reports it."""
-        start = self.worker.start_decode_here
-        if start is None or self.spec.decode.segment != self.worker.engine.name \
-                or self.worker.first_layer != 0:
+    def _start_decode(self, first_token: int) -> None:
+        """Decoding starts once the KV is in the reservation's pages, not when
+        the conductor's start arrives (which then attaches to it): on this
+        colocated node at once (local copies complete as they are made), on
+        another node by ``DecodeStartFromPrefill`` to ``decode_url`` (every
+        WRITE is acknowledged by now), sent beside the reply, not awaited.
+        Refused (reservation gone, grammar, the conductor's start there
+        first, ...): the conductor's start meets the same and reports it."""
+        spec, worker = self.spec, self.worker
+        if spec.cpp is not None or worker.first_layer != 0:
             return
-        spec = self.spec
-        try:
-            start(spec.request_id, len(spec.token_ids), first_token, spec.sampling,
-                  spec.token_ids if spec.sampling.needs_prompt else None)
-        except (KeyError, ValueError) as exc:
-            log.info("%s: decode not started with the first token here: %s", spec.request_id, exc)
-
-    def _start_decode_there(self, first_token: int) -> None:
-        """On a prefill whose reservation is another node's (``decode_url``)
-        and whose KV WRITEs are all acknowledged (so in its pages), that node
-        is told to start decoding now, beside the reply: its first step then
-        overlaps the reply's way to the conductor and the conductor's start
-        back, which attaches to it.  Not awaited, and a failure only logged:
-        the conductor's start follows in any case."""
-        spec = self.spec
-        if spec.decode_url is None or spec.cpp is not None \
-                or spec.decode.segment == self.worker.engine.name:
-            return
-        message = DecodeStartFromPrefill(
-            DecodeStart(spec.request_id, len(spec.token_ids), first_token, spec.sampling,
-                        spec.token_ids if spec.sampling.needs_prompt else None),
-            capability=spec.decode.capability)
-        task = asyncio.ensure_future(self.client.call(
-            spec.decode_url + Route.DECODE_START, message, Ok.from_wire,
-            what="starting the decode", timeout=START_THERE_TIMEOUT_S))
-        _starts_in_flight.add(task)
-        task.add_done_callback(functools.partial(_start_sent, spec.request_id))
+        start = DecodeStart(spec.request_id, len(spec.token_ids), first_token, spec.sampling,
+                            spec.token_ids if spec.sampling.needs_prompt else None)
+        if spec.decode.segment == worker.engine.name:
+            if worker.start_decode_here is None:
+                return
+            try:
+                worker.start_decode_here(start.request_id, start.prompt_len, start.first_token,
+                                         start.sampling, start.prompt_token_ids)
+            except (KeyError, ValueError) as exc:
+                log.info("%s: decode not started with the first token here: %s",
+                         spec.request_id, exc)
+        elif spec.decode_url is not None:
+            task = asyncio.ensure_future(self.client.call(
+                spec.decode_url + Route.DECODE_START,
+                DecodeStartFromPrefill(start, capability=spec.decode.capability), Ok.from_wire,
+                what="starting the decode", timeout=START_THERE_TIMEOUT_S))
+            _starts_in_flight.add(task)
+            task.add_done_callback(functools.partial(_start_sent, spec.request_id))
 
     async def run(self) -> PrefillReply:
         """The whole job: prepare, compute on the compute thread, finish; cleans up."""

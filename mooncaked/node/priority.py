@@ -1,14 +1,60 @@
-"""Idle priority for a node whose cores other nodes have first call on.
+"""CPU priority of a node process: idle for a node whose cores other nodes
+have first call on, raised for the conductor, whose every request waits on
+its one event loop.
 
-Applied by ``process_setup`` before ``exec`` (a process with one thread) or
-by the node runtime once start-up is done (``node.idle_after_start``: every
-thread it already has).  Standard library only: ``process_setup`` imports it
-before the node's own imports.
+Idle priority is applied by ``process_setup`` before ``exec`` (a process
+with one thread) or by the node runtime once start-up is done
+(``node.idle_after_start``: every thread it already has); a raised one by
+the runtime once the conductor serves (``conductor.cpu_nice``).  Standard
+library only: ``process_setup`` imports it before the node's own imports.
 """
 
 from __future__ import annotations
 
 import os
+
+
+def _own_session() -> bool:
+    """This process leads its own session, so its autogroup is its own.
+
+    An autogroup is a whole session's: a process started inside someone
+    else's session (a node run from a shell, a test's child) would renice
+    that shell, the test runner and every program started from them, so
+    only a session leader touches its group."""
+    return os.getsid(0) == os.getpid()
+
+
+def _set_autogroup_nice(nice: int) -> bool:
+    """Nice ``nice`` for this process's autogroup (the kernel shares a core
+    between autogroups by the group's nice, whatever the nice of the threads
+    inside).  False: no autogroups, or not permitted."""
+    try:
+        with open("/proc/self/autogroup", "w") as group:
+            group.write(str(nice))
+    except OSError:
+        return False
+    return True
+
+
+def raised_priority(nice: int) -> tuple[bool, bool]:
+    """Nice ``nice`` (< 0: ahead of nice-0 work) for every thread of this
+    process, and for its autogroup when it leads its own session.  Returns
+    (threads reniced, autogroup reniced); both False without the right to
+    (root, CAP_SYS_NICE, or an RLIMIT_NICE that allows it).
+
+    Nice is a thread's own on Linux and a thread starts with its creator's,
+    so threads started later get it too."""
+    threads = True
+    for tid in [int(tid) for tid in os.listdir("/proc/self/task")]:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except ProcessLookupError:
+            pass  # the thread ended meanwhile
+        except PermissionError:
+            threads = False
+            break
+    group = _own_session() and _set_autogroup_nice(nice)
+    return threads, group
 
 
 def idle_priority(all_threads: bool = False) -> bool:
@@ -30,16 +76,7 @@ def idle_priority(all_threads: bool = False) -> bool:
     # The launcher starts each node in its own session, so it is its own
     # autogroup (when the kernel has autogroups), and the kernel shares a core
     # between groups by the group's nice, whatever the policy inside: at nice
-    # 0 this node still took half of a busy decode core.  An autogroup is a
-    # whole session's: a process started inside someone else's session (a
-    # node run from a shell, a test's child) would renice that shell, the
-    # test runner and every program started from them, so it leaves the
-    # group alone and yields by its policy only.
-    if os.getsid(0) != os.getpid():
-        return False
-    try:
-        with open("/proc/self/autogroup", "w") as group:
-            group.write("19")
-    except OSError:
-        return False  # no autogroups: SCHED_IDLE alone already yields
-    return True
+    # 0 this node still took half of a busy decode core.  Inside another
+    # process's session it yields by its policy only.  Without autogroups
+    # SCHED_IDLE alone already yields.
+    return _own_session() and _set_autogroup_nice(19)

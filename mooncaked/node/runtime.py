@@ -27,7 +27,7 @@ from mooncaked.node.context import CTX, NodeContext
 from mooncaked.node.errors import StartupError, error_middleware, internal_auth_middleware
 from mooncaked.node.gc_tuning import PauseWatch, freeze_startup
 from mooncaked.node.loop_watch import LoopStallWatch
-from mooncaked.node.priority import idle_priority
+from mooncaked.node.priority import idle_priority, raised_priority
 from mooncaked.node.sdnotify import notify
 
 log = logging.getLogger("mooncaked.runtime")
@@ -98,6 +98,8 @@ async def serve(config: NodeConfig, setup_role: RoleSetup) -> int:
         group = "autogroup nice 19" if idle_priority(all_threads=True) else \
             "autogroup left alone: not a session leader, or no autogroups"
         log.info("start-up done: idle priority from now on (SCHED_IDLE, %s)", group)
+    if config.node.role == "conductor" and config.conductor.cpu_nice != 0:
+        _raise_priority(config.conductor.cpu_nice)
     ctx.ready = True
     notify("READY=1")
     log.info("%s %s serving on %s", ctx.role, ctx.node_id, ctx.url)
@@ -110,6 +112,21 @@ async def serve(config: NodeConfig, setup_role: RoleSetup) -> int:
     pauses.uninstall()
     log.info("stopped cleanly")
     return 0
+
+
+def _raise_priority(nice: int) -> None:
+    """The conductor's CPU priority (conductor.cpu_nice), and a log line saying what it got."""
+    threads, group = raised_priority(nice)
+    if threads:
+        where = "and its autogroup" if group else \
+            "(autogroup left alone: not a session leader, or no autogroups)"
+        log.info("CPU priority: nice %d for its threads %s: its event loop runs ahead of "
+                 "nice-0 compute on this machine", nice, where)
+    else:
+        log.info("CPU priority left as started: nice %d (conductor.cpu_nice) needs root, "
+                 "CAP_SYS_NICE or an RLIMIT_NICE that allows it (systemd: LimitNICE=%d); "
+                 "beside busy compute on this machine its requests wait for a core",
+                 nice, nice)
 
 
 def run_node(config: NodeConfig, setup_role: RoleSetup) -> int:

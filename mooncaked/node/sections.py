@@ -132,8 +132,20 @@ class ConductorSection:
     # "URL[,events=tcp://HOST:PORT][,replay=tcp://HOST:PORT][,block_size=N]";
     # their KV events are found at URL/kv_event_sources unless given (docs/engines.md).
     engines: list[str] = field(default_factory=list)
+    # Nice for every thread of the conductor, and for its autogroup when it
+    # leads its own session (as `up` and systemd start it), set once it
+    # serves; 0 leaves its priority as started.  Every request's turn
+    # (tokenizing, choosing, relaying each token) waits for its one event
+    # loop, and on a machine whose cores run prefill, decode or engines at
+    # nice 0 that loop waited for a core longer than it ran.  It uses a
+    # small share of a core, so a higher priority takes little from them.
+    # Below 0 needs root, CAP_SYS_NICE or an RLIMIT_NICE that allows it
+    # (systemd: LimitNICE=); without, it runs at its start priority and says so.
+    cpu_nice: int = -10
 
     def __post_init__(self) -> None:
+        if not -20 <= self.cpu_nice <= 19:
+            raise ValueError(f"conductor.cpu_nice must be in -20..19; got {self.cpu_nice}")
         # A comma-separated value (env, --set) splits an entry's options off: rejoin them.
         engines: list[str] = []
         for item in (e.strip() for e in self.engines):

@@ -93,6 +93,17 @@ class EngineSpec:
         """The engine's instance id in the index and the scheduler: host:port."""
         return urlsplit(self.url).netloc
 
+    @property
+    def machine(self) -> str:
+        """The machine it runs on, as far as its URL says: its host, every
+        loopback name and address being this one.  Engines of one machine
+        share its CPU, and the scheduler learns how much they slow each
+        other (roles/scheduling/contention.py)."""
+        host = (urlsplit(self.url).hostname or "").lower()
+        if host == "localhost" or host == "::1" or host.startswith("127."):
+            return "localhost"
+        return host
+
 
 @dataclass(frozen=True)
 class EngineMetrics:
@@ -204,8 +215,8 @@ class EngineFleet:
         self._tasks: list[asyncio.Task] = []
         self._wake: dict[str, asyncio.Event] = {}
         self._tokenizers = TokenizerCache()
-        for name in self.engines:
-            scheduler.add_engine(name)
+        for name, engine in self.engines.items():
+            scheduler.add_engine(name, engine.spec.machine)
             scheduler.mark_dead(name)   # until discovery says otherwise
 
     def start(self) -> None:
@@ -326,7 +337,7 @@ class EngineFleet:
         engine.max_model_len = _max_model_len(models["data"][0])
         engine.publishers = [p.key for p in publishers]
         engine.alive, engine.last_metrics = True, metrics
-        self.scheduler.add_engine(engine.name)   # a fresh start: no bookings, own fit anew
+        self.scheduler.add_engine(engine.name, engine.spec.machine)   # a fresh start: no bookings, own fit anew
         self.scheduler.on_metrics(engine.name, metrics.running, metrics.waiting,
                                   metrics.kv_usage, time.monotonic(),
                                   capacity_blocks=metrics.num_blocks)

@@ -44,8 +44,18 @@ class EngineFeedback:
         if booking.estimate_s > 0:
             state.queue.late_ratios.append(service / booking.estimate_s)
         if service > 0:
-            state.prefill_est.observe(req.prompt_tokens, req.prefix_tokens, service)
-            self.prefill_est.observe(req.prompt_tokens, req.prefix_tokens, service)
+            # The prefill models learn the speed of an engine whose machine
+            # was otherwise idle: the measured time less the slowdown learned
+            # for the neighbours it ran beside, which this sample then feeds
+            # (unless the prediction it is compared with is an unfitted prior's).
+            est = self.estimator_for(state)
+            slowdown = self.contention.slowdown(state.machine, req.busy_level, now)
+            if est.fitted_since_fork():
+                self.contention.add(state.machine, req.busy_level, service,
+                                    est.seconds(req.prompt_tokens, req.prefix_tokens), now)
+            alone = service / slowdown
+            state.prefill_est.observe(req.prompt_tokens, req.prefix_tokens, alone)
+            self.prefill_est.observe(req.prompt_tokens, req.prefix_tokens, alone)
         actual = req.ttft_s = now - req.sent_at
         errors = self._ttft_errors
         errors[0] += 1
@@ -122,6 +132,8 @@ class EngineFeedback:
                 "reuse_share": round(self.reuse.share(), 4),
                 "ttft_error": {"count": n, "mean_s": total / n if n else 0.0,
                                "mean_abs_s": total_abs / n if n else 0.0},
+                "contention": {k: dataclasses.asdict(v)
+                               for k, v in self.contention.stats(now).items()},
                 "ttft_residuals": {k: dataclasses.asdict(v)
                                    for k, v in self.ttft_residuals.stats(now).items()},
                 "residuals_priced_by_prior": self.ttft_residuals.prior_skipped,

@@ -31,6 +31,11 @@ class EngineDecision(NamedTuple):
     # Every engine priced for it, admitted or not: (engine, prefix tokens
     # it holds, predicted TTFT, cost), what the choice was made among.
     candidates: tuple[tuple[str, int, float, float], ...] = ()
+    # Other engines of its machine with work when it was priced (as a load
+    # level), and the prefill slowdown learned for that (contention.py),
+    # by which t_prefill was multiplied.
+    busy_level: int = 0
+    slowdown: float = 1.0
 
     @property
     def cost_s(self) -> float:
@@ -58,6 +63,8 @@ class EngineRequest:
     # Tokens it is expected to generate: its max_tokens, else the mean
     # output of requests finished lately (what its blocks grow by).
     output_tokens: int = 0
+    # Other engines of its machine with work when it was sent (a load level).
+    busy_level: int = 0
     first_token_at: float | None = None
     ttft_s: float | None = None   # measured, once its first token came back
     batch: int = 0           # the engine's running batch when it started decoding
@@ -76,6 +83,9 @@ class EngineState:
     name: str
     prefill_est: PrefillEstimator
     decode_est: DecodeEstimator
+    # The machine it runs on: engines of one machine slow each other
+    # (contention.py).  Its own name when not known to share one.
+    machine: str = ""
     alive: bool = True
     stale: bool = False
     queue: PrefillNodeState = field(init=False)
@@ -96,6 +106,7 @@ class EngineState:
 
     def __post_init__(self) -> None:
         self.queue = PrefillNodeState(self.name)
+        self.machine = self.machine or self.name
 
     def ours_decoding(self) -> int:
         return sum(1 for r in self.requests.values() if r.first_token_at is not None)

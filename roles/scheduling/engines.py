@@ -15,7 +15,9 @@ every live engine, never a transfer.  Per live, non-stale engine:
   requests hold their blocks until they finish decoding);
 - prefill: the engine's own fit on its observed prefills once it has one,
   else the fleet-wide fit every engine feeds (a copy of the conductor's
-  prior, so a new engine is priced as the others run);
+  prior, so a new engine is priced as the others run), times the slowdown
+  learned for its machine with as many of its other engines busy as now
+  (contention.py; 1 for an engine alone on its machine);
 - the residual: ResidualModel keyed by engine and load level, the same
   model the conductor keeps for its own nodes.
 
@@ -43,6 +45,7 @@ from typing import Collection, Mapping, Sequence
 from .attainment import AdmissionQuantile
 from .cache_pressure import ReuseShare, blocks_evicted, eviction_seconds, new_blocks
 from .config import SchedulerConfig
+from .contention import MachineContention
 from .decode_estimator import DecodeEstimator
 from .engine_feedback import EngineFeedback
 from .engine_state import EngineDecision, EngineRequest, EngineState
@@ -80,13 +83,18 @@ class EngineScheduler(EngineFeedback):
         # no max_tokens is expected to generate).
         self.recent_outputs: deque[int] = deque(maxlen=RECENT_PROMPTS)
         self.reuse = ReuseShare()
+        self.contention = MachineContention(config.residual_half_life_s,
+                                            config.residual_min_samples)
         self.rejections: dict[str, int] = {}
         self._ttft_errors = [0, 0.0, 0.0]  # count, sum, sum of |predicted - actual|
 
     # ---- fleet membership ---------------------------------------------
-    def add_engine(self, name: str) -> EngineState:
-        """Start scheduling onto ``name`` (a re-add starts it afresh)."""
-        state = EngineState(name, self.prefill_est.fork(), copy.deepcopy(self.decode_prior))
+    def add_engine(self, name: str, machine: str | None = None) -> EngineState:
+        """Start scheduling onto ``name`` (a re-add starts it afresh).
+        ``machine``: the machine it runs on, shared with the engines that
+        name the same one (None: a machine of its own)."""
+        state = EngineState(name, self.prefill_est.fork(), copy.deepcopy(self.decode_prior),
+                            machine or name)
         self.engines[name] = state
         return state
 
@@ -118,6 +126,13 @@ class EngineScheduler(EngineFeedback):
         (an engine priced by a stale copy of the prior would never be chosen
         to gather the samples that correct it)."""
         return state.prefill_est if state.prefill_est.fitted_since_fork() else self.prefill_est
+
+    def busy_level(self, state: EngineState) -> int:
+        """The load level of the other live engines of ``state``'s machine
+        that have work (ours or other clients'): what it computes beside."""
+        return load_level(sum(1 for other in self.engines.values()
+                              if other is not state and other.alive
+                              and other.machine == state.machine and other.in_flight() > 0))
 
     def typical_prompt(self, default: int) -> int:
         return round(sum(self.recent_prompts) / len(self.recent_prompts)) \
@@ -249,14 +264,16 @@ class EngineScheduler(EngineFeedback):
             t_room = self.room_wait_s(state, now, prompt_tokens, output_tokens, block_keys,
                                       block_size, tbt)
             t_queue = max(self.queue_s(state, now, prompt_tokens), t_room)
-            t_prefill = self.estimator_for(state).seconds(prompt_tokens, prefix)
+            busy = self.busy_level(state)
+            slowdown = self.contention.slowdown(state.machine, busy, now)
+            t_prefill = self.estimator_for(state).seconds(prompt_tokens, prefix) * slowdown
             model = t_queue + t_prefill
             median, spreads[name] = self.ttft_residuals_at(name, level, now)
             ttft = model + median
             cached = None if cached_blocks is None else cached_blocks.get(name)
             eviction = self.eviction_s(state, prompt_tokens, held, block_size, cached)
             decision = EngineDecision(request_id, name, prefix, ttft, tbt, t_queue, t_prefill,
-                                      eviction, t_room)
+                                      eviction, t_room, busy_level=busy, slowdown=slowdown)
             priced.append((name, prefix, ttft, decision.cost_s))
             limit = max(0.0, cfg.ttft_slo_s - spreads[name])
             if cfg.reject and ttft > limit:
@@ -359,7 +376,8 @@ class EngineScheduler(EngineFeedback):
                                                priced_by_prior=by_prior)
         state.requests[d.request_id] = EngineRequest(prompt_tokens, d.prefix_tokens, now, model,
                                                 d.predicted_ttft_s, level, prior_in_ttft, streamed,
-                                                block_keys, new_blocks, output_tokens)
+                                                block_keys, new_blocks, output_tokens,
+                                                busy_level=d.busy_level)
         self.recent_prompts.append(prompt_tokens)
 
     def _reject(self, request_id: str, reason: str, ttft: float, tbt: float, retry: float,

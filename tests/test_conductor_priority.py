@@ -1,6 +1,6 @@
-"""The conductor's raised CPU priority (conductor.cpu_nice): every thread of
-it, and its own autogroup, run ahead of nice-0 compute; without the right
-to, it runs as started and says so."""
+"""The raised CPU priority of a conductor in front of engines
+(conductor.cpu_nice): every thread of it, and its own autogroup, run ahead
+of nice-0 work; without the right to, it runs as started and says so."""
 
 from __future__ import annotations
 
@@ -110,8 +110,10 @@ def test_a_nice_out_of_range_is_refused():
 
 @pytest.mark.slow  # a node process
 @pytest.mark.skipif(os.geteuid() != 0, reason="raising a priority needs root or CAP_SYS_NICE")
-def test_a_conductor_runs_ahead_of_nice_zero_work_once_it_serves(tmp_path):
-    node = start_node(tmp_path, "conductor")   # its own session, as `up` and systemd start it
+def test_a_conductor_in_front_of_engines_runs_ahead_of_nice_zero_work(tmp_path):
+    # Its own session, as `up` and systemd start it; an engine that does not
+    # answer (yet) is enough to make it an engines' conductor.
+    node = start_node(tmp_path, "conductor", "--engine", "http://127.0.0.1:1")
     try:
         node.wait_ready()
         assert set(thread_nices(node.proc.pid)) == {ConductorSection().cpu_nice}
@@ -121,10 +123,12 @@ def test_a_conductor_runs_ahead_of_nice_zero_work_once_it_serves(tmp_path):
         assert "CPU priority: nice -10 for its threads" in node.output()
     finally:
         node.kill()
-    # 0 leaves it as started.
-    node = start_node(tmp_path, "conductor", "--set", "conductor.cpu_nice=0")
-    try:
-        node.wait_ready()
-        assert set(thread_nices(node.proc.pid)) == {0}
-    finally:
-        node.kill()
+    # 0 leaves it as started; so does a conductor of mooncaked's own nodes.
+    for args in (("--engine", "http://127.0.0.1:1", "--set", "conductor.cpu_nice=0"), ()):
+        node = start_node(tmp_path, "conductor", *args)
+        try:
+            node.wait_ready()
+            assert set(thread_nices(node.proc.pid)) == {0}
+            assert "CPU priority" not in node.output()
+        finally:
+            node.kill()

@@ -98,7 +98,8 @@ async def serve(config: NodeConfig, setup_role: RoleSetup) -> int:
         group = "autogroup nice 19" if idle_priority(all_threads=True) else \
             "autogroup left alone: not a session leader, or no autogroups"
         log.info("start-up done: idle priority from now on (SCHED_IDLE, %s)", group)
-    if config.node.role == "conductor" and config.conductor.cpu_nice != 0:
+    if config.node.role == "conductor" and config.conductor.engines \
+            and config.conductor.cpu_nice != 0:
         _raise_priority(config.conductor.cpu_nice)
     ctx.ready = True
     notify("READY=1")
@@ -115,17 +116,18 @@ async def serve(config: NodeConfig, setup_role: RoleSetup) -> int:
 
 
 def _raise_priority(nice: int) -> None:
-    """The conductor's CPU priority (conductor.cpu_nice), and a log line saying what it got."""
+    """The CPU priority of a conductor in front of engines (conductor.cpu_nice),
+    and a log line saying what it got."""
     threads, group = raised_priority(nice)
     if threads:
         where = "and its autogroup" if group else \
             "(autogroup left alone: not a session leader, or no autogroups)"
         log.info("CPU priority: nice %d for its threads %s: its event loop runs ahead of "
-                 "nice-0 compute on this machine", nice, where)
+                 "the engines' nice-0 work on this machine", nice, where)
     else:
         log.info("CPU priority left as started: nice %d (conductor.cpu_nice) needs root, "
                  "CAP_SYS_NICE or an RLIMIT_NICE that allows it (systemd: LimitNICE=%d); "
-                 "beside busy compute on this machine its requests wait for a core",
+                 "beside busy engines on this machine its requests wait for a core",
                  nice, nice)
 
 

@@ -132,15 +132,17 @@ class ConductorSection:
     # "URL[,events=tcp://HOST:PORT][,replay=tcp://HOST:PORT][,block_size=N]";
     # their KV events are found at URL/kv_event_sources unless given (docs/engines.md).
     engines: list[str] = field(default_factory=list)
-    # Nice for every thread of the conductor, and for its autogroup when it
-    # leads its own session (as `up` and systemd start it), set once it
-    # serves; 0 leaves its priority as started.  Every request's turn
-    # (tokenizing, choosing, relaying each token) waits for its one event
-    # loop, and on a machine whose cores run prefill, decode or engines at
-    # nice 0 that loop waited for a core longer than it ran.  It uses a
-    # small share of a core, so a higher priority takes little from them.
-    # Below 0 needs root, CAP_SYS_NICE or an RLIMIT_NICE that allows it
-    # (systemd: LimitNICE=); without, it runs at its start priority and says so.
+    # Nice for every thread of a conductor in front of engines, and for its
+    # autogroup when it leads its own session (as `up` and systemd start it),
+    # set once it serves; 0 leaves its priority as started.  Every request's
+    # turn (tokenizing, choosing, relaying each token) waits for its one
+    # event loop, and on a machine whose cores run the engines at nice 0 that
+    # loop waited for a core longer than it ran; it uses a small share of a
+    # core, so a higher priority takes little from them.  A conductor of
+    # mooncaked's own nodes keeps its priority: those nodes' loops wait on
+    # the same cores, and it would only move the wait to them.  Below 0
+    # needs root, CAP_SYS_NICE or an RLIMIT_NICE that allows it (systemd:
+    # LimitNICE=); without, it runs at its start priority and says so.
     cpu_nice: int = -10
 
     def __post_init__(self) -> None:

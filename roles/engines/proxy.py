@@ -404,13 +404,14 @@ class EngineProxy:
         if at is not None and log.isEnabledFor(logging.DEBUG):
             # What the prediction was made of against what happened.
             log.debug("%s at %s: TTFT %.1f ms (%.1f tokenizing), predicted %.1f (queue %.1f "
-                      "(room %.1f) + prefill %.1f + residual); %d prompt tokens, %d predicted "
+                      "(room %.1f) + prefill %.1f (x%.2f, busy level %d) + residual); "
+                      "%d prompt tokens, %d predicted "
                       "cached, %s reported; %d decoding there when sent; among %s",
                       d.request_id, d.engine,
                       (at - proxied.started_at) * 1e3,
                       (proxied.scheduled_at - proxied.started_at) * 1e3,
                       d.predicted_ttft_s * 1e3, d.t_queue * 1e3, d.t_room * 1e3,
-                      d.t_prefill * 1e3,
+                      d.t_prefill * 1e3, d.slowdown, d.busy_level,
                       proxied.prompt_tokens, d.prefix_tokens, cached, proxied.decoding_at_send,
                       ", ".join(f"{e} (cached {p}, TTFT {t * 1e3:.1f}, cost {c * 1e3:.1f})"
                                 for e, p, t, c in d.candidates))

@@ -31,7 +31,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from .residuals import MIN_SAMPLES, WINDOW, weighted_quantile
+from .residuals import MIN_SAMPLES, WINDOW, check_windows, weighted_quantile
 
 
 @dataclass(frozen=True)
@@ -49,10 +49,7 @@ class MachineContention:
 
     def __init__(self, half_life_s: float, min_samples: int = MIN_SAMPLES,
                  window: int = WINDOW) -> None:
-        if half_life_s <= 0:
-            raise ValueError("half_life_s must be > 0")
-        if min_samples < 1 or window < min_samples:
-            raise ValueError("need 1 <= min_samples <= window")
+        check_windows(half_life_s, min_samples, window)
         self.half_life_s = half_life_s
         self.min_samples = min_samples
         self.window = window

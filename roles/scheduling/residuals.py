@@ -53,6 +53,14 @@ def load_level(in_flight: int) -> int:
     return max(0, int(in_flight)).bit_length()
 
 
+def check_windows(half_life_s: float, min_samples: int, window: int) -> None:
+    """ValueError unless samples age (a half-life > 0) and a window can be trusted."""
+    if half_life_s <= 0:
+        raise ValueError("half_life_s must be > 0")
+    if min_samples < 1 or window < min_samples:
+        raise ValueError("need 1 <= min_samples <= window")
+
+
 def log_ratio(measured: float, predicted: float) -> float | None:
     """The TBT residual ``log(measured / predicted)``; None when either is not
     a positive number (nothing to learn from)."""
@@ -105,12 +113,9 @@ class ResidualModel:
     def __init__(self, half_life_s: float = DEFAULT_HALF_LIFE_S,
                  quantile: float = DEFAULT_ADMIT_QUANTILE,
                  min_samples: int = MIN_SAMPLES, window: int = WINDOW) -> None:
-        if half_life_s <= 0:
-            raise ValueError("half_life_s must be > 0")
+        check_windows(half_life_s, min_samples, window)
         if not 0 < quantile < 1:
             raise ValueError("quantile must be in (0, 1)")
-        if min_samples < 1 or window < min_samples:
-            raise ValueError("need 1 <= min_samples <= window")
         self.half_life_s = half_life_s
         self.quantile = quantile
         self.min_samples = min_samples

@@ -44,9 +44,8 @@ def test_no_slowdown_until_both_windows_hold_enough_weight():
     assert model.slowdown("m", 1, now=0.0) == pytest.approx(3.0)
     # One half-life later the 8 samples weigh 4: not trusted any more.
     assert model.slowdown("m", 1, now=10.0) == 1.0
-    # 8 more fresh samples at each level outweigh the old ones' median?  The
-    # window holds 16 (8 at weight 0.5, 8 at 1): the weighted median is the
-    # fresh ratio, 2.0 over 1.0.
+    # 8 fresh samples at each level: each window holds 8 at weight 0.5 and 8
+    # at 1, so the weighted median is the fresh ratio, 2.0 over 1.0.
     for _ in range(8):
         model.add("m", 0, 0.1, 0.1, now=10.0)
         model.add("m", 1, 0.2, 0.1, now=10.0)

@@ -1,11 +1,11 @@
 """CPU priority of a node process: idle for a node whose cores other nodes
-have first call on, raised for the conductor, whose every request waits on
-its one event loop.
+have first call on, raised for a conductor in front of engines, whose every
+request waits on its one event loop.
 
 Idle priority is applied by ``process_setup`` before ``exec`` (a process
 with one thread) or by the node runtime once start-up is done
 (``node.idle_after_start``: every thread it already has); a raised one by
-the runtime once the conductor serves (``conductor.cpu_nice``).  Standard
+the runtime once such a conductor serves (``conductor.cpu_nice``).  Standard
 library only: ``process_setup`` imports it before the node's own imports.
 """
 

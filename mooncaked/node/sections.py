@@ -137,8 +137,8 @@ class ConductorSection:
     # set once it serves; 0 leaves its priority as started.  Every request's
     # turn (tokenizing, choosing, relaying each token) waits for its one
     # event loop, and on a machine whose cores run the engines at nice 0 that
-    # loop waited for a core longer than it ran; it uses a small share of a
-    # core, so a higher priority takes little from them.  A conductor of
+    # loop otherwise waits for a core whenever they compute; it uses a small
+    # share of a core, so a higher priority takes little from them.  A conductor of
     # mooncaked's own nodes keeps its priority: those nodes' loops wait on
     # the same cores, and it would only move the wait to them.  Below 0
     # needs root, CAP_SYS_NICE or an RLIMIT_NICE that allows it (systemd:

@@ -68,15 +68,14 @@ class MachineContention:
             win = self._windows[key] = deque(maxlen=self.window)
         win.append((now, math.log(measured_s / predicted_s)))
 
-    def forget(self, machine: str) -> None:
-        """Drop a machine's windows (its engines were all removed)."""
-        for key in [k for k in self._windows if k[0] == machine]:
-            del self._windows[key]
+    def _weighted(self, machine: str, level: int, now: float) -> list[tuple[float, float]]:
+        """``(log ratio, weight)`` of the window's samples, aged to ``now``."""
+        return [(r, 0.5 ** (max(0.0, now - t) / self.half_life_s))
+                for t, r in self._windows.get((machine, level), ())]
 
     def _median(self, machine: str, level: int, now: float) -> float | None:
         """The weighted median log ratio at (machine, level), None below min_samples."""
-        pairs = [(r, 0.5 ** (max(0.0, now - t) / self.half_life_s))
-                 for t, r in self._windows.get((machine, level), ())]
+        pairs = self._weighted(machine, level, now)
         if sum(w for _, w in pairs) < self.min_samples * (1 - 1e-12):
             return None
         return weighted_quantile(pairs, 0.5)
@@ -95,7 +94,7 @@ class MachineContention:
         """Every window at ``now``, keyed ``machine/level``."""
         out: dict[str, SlowdownStats] = {}
         for (machine, level), win in self._windows.items():
-            pairs = [(r, 0.5 ** (max(0.0, now - t) / self.half_life_s)) for t, r in win]
+            pairs = self._weighted(machine, level, now)
             out[f"{machine}/{level}"] = SlowdownStats(
                 len(win), sum(w for _, w in pairs), weighted_quantile(pairs, 0.5),
                 self.slowdown(machine, level, now))

@@ -44,10 +44,10 @@ class EngineFeedback:
         if booking.estimate_s > 0:
             state.queue.late_ratios.append(service / booking.estimate_s)
         if service > 0:
-            # The prefill models learn the speed of an engine whose machine
-            # was otherwise idle: the measured time less the slowdown learned
-            # for the neighbours it ran beside, which this sample then feeds
-            # (unless the prediction it is compared with is an unfitted prior's).
+            # The prefill models learn the speed of an engine beside idle
+            # neighbours: the measured time divided by the slowdown learned for
+            # the busy level it ran at.  The sample also feeds that slowdown,
+            # unless the prediction it is compared with is an unfitted prior's.
             est = self.estimator_for(state)
             slowdown = self.contention.slowdown(state.machine, req.busy_level, now)
             if est.fitted_since_fork():

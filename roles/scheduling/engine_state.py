@@ -85,7 +85,7 @@ class EngineState:
     decode_est: DecodeEstimator
     # The machine it runs on: engines of one machine slow each other
     # (contention.py).  Its own name when not known to share one.
-    machine: str = ""
+    machine: str
     alive: bool = True
     stale: bool = False
     queue: PrefillNodeState = field(init=False)
@@ -106,7 +106,6 @@ class EngineState:
 
     def __post_init__(self) -> None:
         self.queue = PrefillNodeState(self.name)
-        self.machine = self.machine or self.name
 
     def ours_decoding(self) -> int:
         return sum(1 for r in self.requests.values() if r.first_token_at is not None)

@@ -5,9 +5,9 @@ posts waits for its one event loop; a callback that runs long, or a loop
 thread that waits for a core or for the GIL, holds all of them at once.
 A client sees that as a burst: tokens decoded on time arrive together.
 
-``LoopStallWatch`` keeps a beat on the loop (a task that notes the time
-every ``tick_s``) and a watcher thread that checks it.  When the beat is
-``threshold_s`` old, the watcher logs the loop thread's stack at that
+``LoopStallWatch`` keeps a beat on the loop (a callback that notes the
+time every ``tick_s``) and a watcher thread that checks it.  When the beat
+is ``threshold_s`` late, the watcher logs the loop thread's stack at that
 moment, once per stall: a stack inside a callback names the code that
 blocks; a stack at the selector says the loop was ready but got no core
 (or no GIL) to run on.  Counts and the longest stall go to
@@ -28,8 +28,12 @@ log = logging.getLogger("mooncaked.loop")
 
 # A beat this old is a stall, logged with the loop thread's stack.
 STALL_S = 0.05
-# How often the loop beats and the watcher looks.
-TICK_S = 0.01
+# How often the loop beats.  Every beat wakes an idle loop, and every look
+# wakes the watcher thread (which then wants the GIL the loop holds): an
+# idle node pays for both on every core it shares, so the beat is as slow
+# as half the threshold allows, and the watcher sleeps until the latest
+# beat would be a stall instead of polling.
+TICK_S = 0.025
 # Frames of the loop thread's stack a stall log line shows (innermost last).
 STACK_FRAMES = 6
 
@@ -47,37 +51,43 @@ class LoopStallWatch:
         self._beat_at = time.monotonic()
         self._loop_thread = 0
         self._stop = threading.Event()
-        self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         """On the loop's thread, with the loop running."""
         self._loop_thread = threading.get_ident()
         self._beat_at = time.monotonic()
-        self._task = asyncio.get_running_loop().create_task(self._beat(), name="loop-beat")
+        self._loop = asyncio.get_running_loop()
+        self._timer = self._loop.call_later(self.tick_s, self._beat)
         self._thread = threading.Thread(target=self._watch, name="loop-watch", daemon=True)
         self._thread.start()
 
     async def stop(self) -> None:
         self._stop.set()
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        if self._timer is not None:
+            self._timer.cancel()
         if self._thread is not None:
             self._thread.join(timeout=1.0)
 
-    async def _beat(self) -> None:
-        while True:
-            self._beat_at = time.monotonic()
-            await asyncio.sleep(self.tick_s)
+    def _beat(self) -> None:
+        # A plain timer callback re-armed each time: no task or future per beat.
+        self._beat_at = time.monotonic()
+        if self._loop is not None and not self._stop.is_set():
+            self._timer = self._loop.call_later(self.tick_s, self._beat)
 
     def _watch(self) -> None:
         reported_beat = None
-        while not self._stop.wait(self.tick_s):
+        wait = self.tick_s + self.threshold_s
+        while not self._stop.wait(wait):
             beat = self._beat_at
             lag = time.monotonic() - beat - self.tick_s
             if lag < self.threshold_s:
+                # On time: no stall can start before this beat is threshold late.
+                wait = max(self.threshold_s - lag, self.tick_s)
                 continue
+            wait = self.tick_s   # a stall: follow it to its end for its length
             if beat == reported_beat:   # the stall already logged, still going
                 self.longest_s = max(self.longest_s, lag)
                 continue

@@ -260,8 +260,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     out = ["| trace | rate | router | offered req/s | ok/sent | 429 | goodput req/s "
            "| in SLO of accepted | TTFT p50 / p90 ms | ITL p50 / p90 ms | prefix hits (engines) "
            f"| split | theoretical (@{ENGINE_BLOCK_TOKENS}) | ready at arrival | hits / ready "
-           "| TTFT MAE / p50 |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| TTFT MAE / p50 | router CPU ms / request |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         split = r.get("engine_split")
         out.append(
@@ -273,7 +273,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"| {_f(r['prefix_hit_ratio'], '.1%')} "
             f"| {'-' if not split else '/'.join(format(x, '.0%') for x in split)} "
             f"| {r['theoretical_hit_ratio']:.1%} | {_f(r.get('ready_ratio'), '.1%')} "
-            f"| {_f(r.get('hit_of_ready'), '.0%')} | {_f(r['ttft_mae_of_p50'], '.0%')} |")
+            f"| {_f(r.get('hit_of_ready'), '.0%')} | {_f(r['ttft_mae_of_p50'], '.0%')} "
+            f"| {_f(r.get('router_cpu_ms_per_request'), '.1f')} |")
     return "\n".join(out)
 
 
@@ -359,7 +360,33 @@ def process_target(name: str, description: str, cmd_for_port, env: dict[str, str
     def stop() -> None:
         stop_session(state.pop("proc", None))
 
+    ROUTER_PROCS[name] = state
     return Target(name, description, start, stop)
+
+
+# The process state of each router started by process_target ("proc": the
+# session leader while it runs), for session_cpu_s.
+ROUTER_PROCS: dict[str, dict[str, Any]] = {}
+
+
+def session_cpu_s(name: str) -> float | None:
+    """CPU seconds (user + system) the processes of router ``name``'s session
+    have used so far, with their children that ended and were waited for;
+    None when it is not running."""
+    proc = ROUTER_PROCS.get(name, {}).get("proc")
+    if proc is None:
+        return None
+    total, hz = 0, os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue   # it ended meanwhile
+        if int(fields[3]) == proc.pid:   # field 6: the session id
+            total += sum(int(x) for x in fields[11:15])   # utime stime cutime cstime
+    return total / hz
 
 
 def engine_target(index: int, cpu: int, python: Path, model_dir: Path, args: argparse.Namespace
@@ -491,6 +518,7 @@ def run_one(router: Target, engines: list[str], trace: TraceSlice, rate: float, 
                             for r in trace.warmup])
         log(f"{router.name}: {warmed}/{len(trace.warmup)} warm-up requests answered")
         before, err_before = engine_counters(engines), conductor_error(url)
+        cpu_before = session_cpu_s(router.name)
         cmd = aiperf_command(aiperf, url=url, model=MODEL_NAME, tokenizer=repo_id,
                              trace_file=trace_file, block_tokens=trace.block_tokens,
                              ttft_slo_ms=TTFT_SLO_S * 1000.0, itl_slo_ms=ITL_SLO_MS,
@@ -500,6 +528,7 @@ def run_one(router: Target, engines: list[str], trace: TraceSlice, rate: float, 
         run_aiperf(cmd, env, artifact_dir / "aiperf.log",
                    timeout_s=span_s + args.request_timeout + 300.0)
         after, err_after = engine_counters(engines), conductor_error(url)
+        cpu_after = session_cpu_s(router.name)
     finally:
         router.stop()
     summary = summary_row(router.name, json.loads((artifact_dir / SUMMARY_JSON).read_text()),
@@ -509,6 +538,8 @@ def run_one(router: Target, engines: list[str], trace: TraceSlice, rate: float, 
                      theoretical_hit_at(trace.records, trace.block_tokens, ENGINE_BLOCK_TOKENS),
                      router.name, summary, prefix_delta(before, after),
                      ttft_error_delta(err_before, err_after, p50))
+    row["router_cpu_ms_per_request"] = None if cpu_before is None or cpu_after is None \
+        or not summary["sent"] else (cpu_after - cpu_before) * 1000.0 / summary["sent"]
     return row | breakdown(trace, artifact_dir)
 
 

@@ -5,7 +5,9 @@ the table, on hand-computed figures."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -13,8 +15,9 @@ from paths import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from engine_compare import (answered_requests, bars, bars_markdown, engine_row,  # noqa: E402
-                            markdown, prefix_delta, reuse_breakdown, ttft_error_delta)
+from engine_compare import (ROUTER_PROCS, answered_requests, bars, bars_markdown,  # noqa: E402
+                            engine_row, markdown, prefix_delta, reuse_breakdown,
+                            session_cpu_s, ttft_error_delta)
 
 
 def test_prefix_delta_sums_both_engines_and_splits_the_lookups():
@@ -99,14 +102,35 @@ def test_bars_compare_mooncaked_with_both_peers():
 
 
 def test_tables_render_the_figures():
-    rows = [row("mooncaked", 0.70, 1.5, ok=8, rejected=2, good=7, mae_of_p50=0.2),
+    rows = [row("mooncaked", 0.70, 1.5, ok=8, rejected=2, good=7, mae_of_p50=0.2)
+            | {"router_cpu_ms_per_request": 3.25},
             row("sglang_cache_aware", 0.65, 1.6), row("round_robin", 0.40, 1.0)]
     table = markdown(rows).splitlines()
     assert len(table) == 2 + 3
     assert table[2] == ("| docs | 2x | mooncaked | 4.00 | 8/10 | 2 | 1.50 | 88% | 400 / 900 "
-                        "| 20.0 / 40.0 | 70.0% | 50%/50% | 80.0% | - | - | 20% |")
+                        "| 20.0 / 40.0 | 70.0% | 50%/50% | 80.0% | - | - | 20% | 3.2 |")
+    assert table[3].endswith("| - | - | - |")   # a row without the router's CPU
     checks = bars_markdown(bars(rows)).splitlines()
     assert checks[2] == "| docs | 2x | yes | yes | **no** | **no** | yes |"
+
+
+def test_a_routers_cpu_is_its_whole_sessions():
+    # A session leader with a child: both count, a process outside does not.
+    child_loop = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass\n"
+    leader = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
+                               f"subprocess.run([sys.executable, '-c', {child_loop!r}])\n"
+                               "time.sleep(30)"], start_new_session=True)
+    ROUTER_PROCS["probe"] = {"proc": leader}
+    try:
+        assert session_cpu_s("nobody") is None
+        deadline = time.monotonic() + 30
+        while (used := session_cpu_s("probe")) < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert used >= 0.3   # the child's, counted once it ended and was waited for
+    finally:
+        leader.kill()
+        leader.wait()
+        ROUTER_PROCS.pop("probe")
 
 
 def test_reuse_breakdown_tells_ready_prefixes_from_in_flight_ones():

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass
+from types import SimpleNamespace
 from pathlib import Path
 
 import aiohttp
@@ -31,7 +32,8 @@ from mooncaked.node.context import NodeContext
 from mooncaked.node.errors import error_middleware
 from roles.engines.fleet import EngineFleet, EngineSpec, EngineSpecError, parse_metrics
 from roles.engines.indexer_api import add_indexer_routes, engines_ctx
-from roles.engines.proxy import ENGINE_PROXY, setup_engine_proxy
+from roles.engines.proxy import (ENGINE_PROXY, MAX_SSE_LINE_BYTES, EngineGone, EngineProxy,
+                                  StreamTiming, setup_engine_proxy)
 from roles.engines.registry import EngineRegistry
 from roles.scheduling.config import SchedulerConfig
 from roles.scheduling.engines import EngineScheduler
@@ -242,6 +244,66 @@ async def test_events_cut_across_reads_pass_through_whole_and_are_read(engines):
         assert m("mooncaked_requests_total", {"status": "ok"}) == 2
     finally:
         await client.close()
+
+
+class RecordedReads:
+    """An engine's answer body as the reads it arrives in: ``readany``
+    gives one read per call, iteration gives its lines."""
+
+    def __init__(self, reads: list[bytes]) -> None:
+        self.reads = list(reads)
+        self._lines = b"".join(reads).splitlines(keepends=True)
+
+    async def readany(self) -> bytes:
+        return self.reads.pop(0) if self.reads else b""
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> bytes:
+        if not self._lines:
+            raise StopAsyncIteration
+        return self._lines.pop(0)
+
+
+class RecordedWrites:
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    async def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+
+async def test_each_read_from_the_engine_is_one_write_to_the_client():
+    """Two SSE lines per event, and the last token, usage and [DONE]
+    arriving in one read, reach the client in as many writes as reads (a
+    write per line costs the conductor and the client a syscall and a
+    wake-up each); every line is still seen, one cut across reads included."""
+    def event(obj) -> bytes:
+        return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+    token = [event({"choices": [{"index": 0, "text": f"t{i} "}]}) for i in range(3)]
+    usage = event({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3}})
+    reads = [token[0], token[1][:10], token[1][10:], token[2] + usage + b"data: [DONE]\n\n"]
+    upstream = SimpleNamespace(content=RecordedReads(reads))
+    client = RecordedWrites()
+    firsts = []
+    scheduler = SimpleNamespace(on_first_token=lambda *a: firsts.append(a))
+    timing = StreamTiming()
+    proxied = SimpleNamespace(decision=SimpleNamespace(engine="e", request_id="r"))
+    await EngineProxy._relay(SimpleNamespace(scheduler=scheduler), upstream, client, timing,
+                             proxied)
+    assert client.writes == reads
+    assert timing.done and timing.chunks == 3 and len(timing.intervals) == 2
+    assert timing.usage == {"prompt_tokens": 9, "completion_tokens": 3}
+    assert firsts == [("e", "r", timing.first_at)]
+
+
+async def test_an_engine_line_without_end_is_a_broken_engine_not_a_growing_buffer():
+    upstream = SimpleNamespace(content=RecordedReads([b"data: " + b"x" * MAX_SSE_LINE_BYTES]))
+    with pytest.raises(EngineGone, match="longer than"):
+        await EngineProxy._relay(SimpleNamespace(scheduler=None), upstream, RecordedWrites(),
+                                 StreamTiming(), None)
 
 
 async def test_an_engines_cache_size_and_contents_reach_the_choice(engines):

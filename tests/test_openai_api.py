@@ -343,6 +343,32 @@ async def test_every_token_streams_as_it_is_generated_even_inside_a_character(ap
     assert chunks[-1]["finish_reason"] == "stop"
 
 
+async def test_the_last_token_usage_and_done_leave_in_one_write(api, monkeypatch):
+    """Every token is written when it comes; the last one goes out with the
+    usage, [DONE] and the end of the body in one write."""
+    writes: list[tuple[str, bytes]] = []
+    real_write, real_eof = web.StreamResponse.write, web.StreamResponse.write_eof
+
+    async def write(self, data):
+        writes.append(("write", bytes(data)))
+        return await real_write(self, data)
+
+    async def write_eof(self, data=b""):
+        if not self._eof_sent:
+            writes.append(("eof", bytes(data)))
+        return await real_eof(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", write)
+    monkeypatch.setattr(web.StreamResponse, "write_eof", write_eof)
+    _, events = await post(api, "/v1/completions", _base(
+        prompt="x", max_tokens=5, stream=True, stream_options={"include_usage": True}))
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 5
+    assert [kind for kind, _ in writes] == ["write"] * 4 + ["eof"]
+    last = sse_events(writes[-1][1].decode())
+    assert len(last) == 3 and last[0]["choices"][0]["finish_reason"] == "length"
+    assert last[1]["usage"]["completion_tokens"] == 5 and last[2] == "[DONE]"
+
+
 async def test_logprobs_and_echo(api):
     _, data = await post(api, "/v1/completions", _base(prompt="abc", max_tokens=6, echo=True))
     assert data["choices"][0]["text"].startswith("abc")

@@ -277,13 +277,23 @@ class _Routes:
         try:
             await resp.prepare(request)
             started: set[int] = set()
+            # Each piece is written as it comes, but the last one (every
+            # choice finished) waits for what ends the stream: the usage,
+            # [DONE] and the chunked terminator leave with it in one write,
+            # not four (a write on loopback wakes the client each time).
+            last = b""
             async for piece in pieces:
                 req = runs[piece.index].req
-                await resp.write(_sse(chunk(kind, http_id, req, piece, piece.index not in started)))
+                event = _sse(chunk(kind, http_id, req, piece, piece.index not in started))
                 started.add(piece.index)
+                if all(run.finished for run in runs):
+                    last += event
+                else:
+                    await resp.write(last + event)
+                    last = b""
             if runs[0].req.include_usage:
-                await resp.write(_sse(usage_chunk(kind, http_id, runs[0].req, runs)))
-            await resp.write(_DONE)
+                last += _sse(usage_chunk(kind, http_id, runs[0].req, runs))
+            await resp.write_eof(last + _DONE)
         except ConnectionError:  # ConnectionResetError, aiohttp's ClientConnectionResetError
             status, error = CLIENT_GONE, "client disconnected"
             log.info("%s: client went away mid-stream", http_id)

@@ -69,6 +69,9 @@ MAX_ERROR_BYTES = 1 << 20
 CHAT_TOKENIZE_KEYS = ("add_generation_prompt", "continue_final_message", "add_special_tokens",
                       "chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs")
 DONE = b"data: [DONE]\n\n"
+# The longest SSE line of an engine's stream the proxy parses: a stream
+# whose line runs past it is treated as a broken engine, not buffered.
+MAX_SSE_LINE_BYTES = 1 << 20
 
 
 def rejection_error(rej: Rejection) -> ApiError:
@@ -499,24 +502,36 @@ class EngineProxy:
 
     async def _relay(self, upstream: aiohttp.ClientResponse, resp: web.StreamResponse,
                      timing: StreamTiming, proxied: ProxiedRequest) -> None:
-        """Pass the engine's SSE lines on as they come; report the first
-        content chunk.  A read that fails is the engine's failure
-        (EngineGone), a write that fails the client's (ConnectionError)."""
-        lines = upstream.content.__aiter__()
-        while True:   # one SSE line per turn, until the engine's stream ends
+        """Pass the engine's bytes on as they come, one write per read: an
+        SSE event is two lines (its data and a blank one), and the last
+        token, the usage and [DONE] often come together, so a write per line
+        would cost this loop, the client and the core they share several
+        syscalls and wake-ups per token.  Complete lines are parsed for
+        StreamTiming (first content chunk reported at once).  A read that
+        fails is the engine's failure (EngineGone), a write that fails the
+        client's (ConnectionError)."""
+        partial = b""   # the start of a line whose end has not come yet
+        now = time.monotonic()
+        while True:   # one read per turn, until the engine's stream ends
             try:
-                line = await lines.__anext__()
-            except StopAsyncIteration:
-                break
+                data = await upstream.content.readany()
             except (aiohttp.ClientError, OSError) as exc:
                 raise EngineGone(f"{type(exc).__name__}: {exc}") from None
+            if not data:
+                break
             now = time.monotonic()
             had_first = timing.first_at is not None
-            timing.saw(line, now)
+            *lines, partial = (partial + data).split(b"\n")
+            if len(partial) > MAX_SSE_LINE_BYTES:
+                raise EngineGone(f"an SSE line longer than {MAX_SSE_LINE_BYTES} bytes")
+            for line in lines:
+                timing.saw(line, now)
             if not had_first and timing.first_at is not None:
                 decision = proxied.decision
                 self.scheduler.on_first_token(decision.engine, decision.request_id, now)
-            await resp.write(line)
+            await resp.write(data)
+        if partial:
+            timing.saw(partial, now)   # a last line without its newline
         if not timing.done:
             raise EngineGone("the stream ended without [DONE]")
 

@@ -287,10 +287,9 @@ class _Routes:
                 event = _sse(chunk(kind, http_id, req, piece, piece.index not in started))
                 started.add(piece.index)
                 if all(run.finished for run in runs):
-                    last += event
+                    last += event   # none comes after it
                 else:
-                    await resp.write(last + event)
-                    last = b""
+                    await resp.write(event)
             if runs[0].req.include_usage:
                 last += _sse(usage_chunk(kind, http_id, runs[0].req, runs))
             await resp.write_eof(last + _DONE)

@@ -287,8 +287,9 @@ async def test_each_read_from_the_engine_is_one_write_to_the_client():
     reads = [token[0], token[1][:10], token[1][10:], token[2] + usage + b"data: [DONE]\n\n"]
     upstream = SimpleNamespace(content=RecordedReads(reads))
     client = RecordedWrites()
-    firsts = []
-    scheduler = SimpleNamespace(on_first_token=lambda *a: firsts.append(a))
+    firsts, progress = [], []
+    scheduler = SimpleNamespace(on_first_token=lambda *a: firsts.append(a),
+                                on_tokens=lambda *a: progress.append(a))
     timing = StreamTiming()
     proxied = SimpleNamespace(decision=SimpleNamespace(engine="e", request_id="r"))
     await EngineProxy._relay(SimpleNamespace(scheduler=scheduler), upstream, client, timing,
@@ -297,6 +298,8 @@ async def test_each_read_from_the_engine_is_one_write_to_the_client():
     assert timing.done and timing.chunks == 3 and len(timing.intervals) == 2
     assert timing.usage == {"prompt_tokens": 9, "completion_tokens": 3}
     assert firsts == [("e", "r", timing.first_at)]
+    # The scheduler hears how far the decode is once per read that added tokens.
+    assert progress == [("e", "r", 1), ("e", "r", 2), ("e", "r", 3)]
 
 
 async def test_an_engine_line_without_end_is_a_broken_engine_not_a_growing_buffer():

@@ -147,8 +147,9 @@ def test_waiting_requests_other_clients_sent_are_queue():
     sched.on_metrics("a", running=1, waiting=2, kv_usage=0.5, now=0.0)
     d = sched.schedule("r1", 500, {"a": 0}, now=0.0)
     # Two foreign waiting requests priced as this one uncached (nothing routed
-    # yet): 2 * 0.5 s, then 0.5 s of its own.
-    assert d.t_queue == pytest.approx(1.0) and d.predicted_ttft_s == pytest.approx(1.5)
+    # yet): 2 * 0.5 s, each step with a decode step of the running one (18 ms
+    # at a batch of 4), then 0.5 s of its own.
+    assert d.t_queue == pytest.approx(1.036) and d.predicted_ttft_s == pytest.approx(1.536)
     # In its batch: the foreign running and waiting ones and itself: 10 + 2*4 ms.
     assert d.predicted_tbt_s == pytest.approx(0.018)
     sched.add_engine("b")
@@ -335,21 +336,24 @@ def test_a_full_kv_cache_delays_the_start_until_decoding_requests_finish():
     d = sched.schedule("long", 700, {}, now=0.3, among={"a"}, block_size=100, max_tokens=100)
     sched.on_first_token("a", d.request_id, now=1.0)
     a = sched.engines["a"]
-    assert sched.room_wait_s(a, 1.0, 300, 10, (), 100) == pytest.approx(1.386)
+    assert sched.start_wait_s(a, 1.0, 300, (), 100) == pytest.approx(1.386)
     d = sched.schedule("short", 300, {}, now=1.0, block_size=100, max_tokens=10)
-    assert (d.engine, d.t_room, d.predicted_ttft_s) == ("b", 0.0, pytest.approx(0.3))
+    assert (d.engine, d.t_start, d.predicted_ttft_s) == ("b", 0.0, pytest.approx(0.3))
     # Only a: its TTFT is the wait for room plus its prefill.
     sched.on_failed("b", "short", now=1.0)
     d = sched.schedule("short2", 300, {}, now=1.0, block_size=100, among={"a"})
-    assert d.t_room == pytest.approx(1.386) and d.t_queue == pytest.approx(1.386)
+    assert d.t_start == pytest.approx(1.386) and d.t_queue == pytest.approx(1.386)
     assert d.predicted_ttft_s == pytest.approx(1.686)
     # Its prefix shared with the running request is mapped, not taken: a
     # 700-token prompt whose first 6 blocks "long" holds needs only 2 more
     # (8 for 701 tokens), which the 2 free blocks cover.
     sched.on_failed("a", "short2", now=1.0)
     a.requests["long"].block_keys = tuple(range(7))
-    assert sched.room_wait_s(a, 1.0, 700, 10, tuple(range(6)) + (99,), 100) == 0.0
-    assert sched.room_wait_s(a, 1.0, 700, 10, (), 100) == pytest.approx(1.386)
+    assert sched.start_wait_s(a, 1.0, 700, tuple(range(6)) + (99,), 100) == 0.0
+    assert sched.start_wait_s(a, 1.0, 700, (), 100) == pytest.approx(1.386)
+    # Its stream says how far its decode is: 50 tokens back, 50 to go.
+    sched.on_tokens("a", "long", 50)
+    assert sched.start_wait_s(a, 1.0, 300, (), 100) == pytest.approx(0.7)
     # Unknown cache size: no wait is priced.
     a.capacity_blocks = None
-    assert sched.room_wait_s(a, 1.0, 300, 10, (), 100) == 0.0
+    assert sched.start_wait_s(a, 1.0, 300, (), 100) == 0.0

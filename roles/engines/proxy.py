@@ -407,13 +407,13 @@ class EngineProxy:
         if at is not None and log.isEnabledFor(logging.DEBUG):
             # What the prediction was made of against what happened.
             log.debug("%s at %s: TTFT %.1f ms (%.1f tokenizing), predicted %.1f (queue %.1f "
-                      "(room %.1f) + prefill %.1f (x%.2f, busy level %d) + residual); "
+                      "(start %.1f) + prefill %.1f (x%.2f, busy level %d) + residual); "
                       "%d prompt tokens, %d predicted "
                       "cached, %s reported; %d decoding there when sent; among %s",
                       d.request_id, d.engine,
                       (at - proxied.started_at) * 1e3,
                       (proxied.scheduled_at - proxied.started_at) * 1e3,
-                      d.predicted_ttft_s * 1e3, d.t_queue * 1e3, d.t_room * 1e3,
+                      d.predicted_ttft_s * 1e3, d.t_queue * 1e3, d.t_start * 1e3,
                       d.t_prefill * 1e3, d.slowdown, d.busy_level,
                       proxied.prompt_tokens, d.prefix_tokens, cached, proxied.decoding_at_send,
                       ", ".join(f"{e} (cached {p}, TTFT {t * 1e3:.1f}, cost {c * 1e3:.1f})"
@@ -520,15 +520,18 @@ class EngineProxy:
             if not data:
                 break
             now = time.monotonic()
-            had_first = timing.first_at is not None
+            had_first, had_chunks = timing.first_at is not None, timing.chunks
             *lines, partial = (partial + data).split(b"\n")
             if len(partial) > MAX_SSE_LINE_BYTES:
                 raise EngineGone(f"an SSE line longer than {MAX_SSE_LINE_BYTES} bytes")
             for line in lines:
                 timing.saw(line, now)
-            if not had_first and timing.first_at is not None:
+            if timing.chunks != had_chunks:
+                # How far its decode is: when it frees its KV blocks there.
                 decision = proxied.decision
-                self.scheduler.on_first_token(decision.engine, decision.request_id, now)
+                if not had_first:
+                    self.scheduler.on_first_token(decision.engine, decision.request_id, now)
+                self.scheduler.on_tokens(decision.engine, decision.request_id, timing.chunks)
             await resp.write(data)
         if partial:
             timing.saw(partial, now)   # a last line without its newline

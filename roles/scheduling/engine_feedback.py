@@ -24,6 +24,7 @@ class EngineFeedback:
             return None
         state.queue.pending.pop(request_id, None)
         req.first_token_at = now
+        req.tokens_out = max(1, req.tokens_out)
         others = [r for r in state.requests.values() if r is not req]
         req.batch = 1 + state.foreign_running + sum(1 for r in others if r.first_token_at)
         req.context_tokens = req.prompt_tokens + sum(r.prompt_tokens for r in others
@@ -63,6 +64,14 @@ class EngineFeedback:
         errors[2] += abs(req.predicted_ttft_s - actual)
         self.ttft_residuals.add(engine, req.level, actual - req.model_ttft_s, now,
                                 priced_by_prior=req.priced_by_prior)
+
+    def on_tokens(self, engine: str, request_id: str, tokens: int) -> None:
+        """``tokens`` of the request's output have streamed back: how far
+        its decode is, which says when it frees its KV blocks."""
+        state = self.engines.get(engine)
+        req = state.requests.get(request_id) if state else None
+        if req is not None:
+            req.tokens_out = tokens
 
     def on_finished(self, engine: str, request_id: str, now: float,
                     mean_tbt_s: float | None = None, tokens: int = 0) -> None:

@@ -26,8 +26,9 @@ class EngineDecision(NamedTuple):
     # Expected seconds later requests spend recomputing what this request's
     # blocks evict at the engine (chosen on, not admitted on).
     eviction_s: float = 0.0
-    # Of t_queue: until the engine's KV cache has room for it (kv_room.py).
-    t_room: float = 0.0
+    # The engine's timeline played forward (engine_timeline.py): when it
+    # would start its prefill there, which t_queue is at least.
+    t_start: float = 0.0
     # Every engine priced for it, admitted or not: (engine, prefix tokens
     # it holds, predicted TTFT, cost), what the choice was made among.
     candidates: tuple[tuple[str, int, float, float], ...] = ()
@@ -66,9 +67,19 @@ class EngineRequest:
     # Other engines of its machine with work when it was sent (a load level).
     busy_level: int = 0
     first_token_at: float | None = None
+    # Tokens streamed back so far (the first included).
+    tokens_out: int = 0
     ttft_s: float | None = None   # measured, once its first token came back
     batch: int = 0           # the engine's running batch when it started decoding
     context_tokens: int = 0
+
+    def generated(self, now: float, step_s: float) -> int:
+        """Tokens it has generated once decoding: as streamed back, or for a
+        response that shows none (not streamed), one per decode step since
+        its first token."""
+        if self.observed or step_s <= 0 or self.first_token_at is None:
+            return max(1, self.tokens_out)
+        return 1 + int((now - self.first_token_at) / step_s)
 
 
 @dataclass

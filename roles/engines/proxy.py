@@ -85,6 +85,13 @@ class EngineGone(Exception):
     """The engine failed while answering (the reason is the message)."""
 
 
+class ClientLeft(ConnectionError):
+    """Writing to the client failed: it went away.  Not an aiohttp
+    ClientError (aiohttp raises its ClientConnectionResetError, one, for a
+    write to a closing server-side transport too), so that nothing takes
+    a client leaving for the engine failing."""
+
+
 @dataclass
 class StreamTiming:
     """When the content chunks of a streamed answer came."""
@@ -509,7 +516,7 @@ class EngineProxy:
         syscalls and wake-ups per token.  Complete lines are parsed for
         StreamTiming (first content chunk reported at once).  A read that
         fails is the engine's failure (EngineGone), a write that fails the
-        client's (ConnectionError)."""
+        client's (ClientLeft)."""
         partial = b""   # the start of a line whose end has not come yet
         now = time.monotonic()
         while True:   # one read per turn, until the engine's stream ends
@@ -532,7 +539,10 @@ class EngineProxy:
                 if not had_first:
                     self.scheduler.on_first_token(decision.engine, decision.request_id, now)
                 self.scheduler.on_tokens(decision.engine, decision.request_id, timing.chunks)
-            await resp.write(data)
+            try:
+                await resp.write(data)
+            except ConnectionError as exc:
+                raise ClientLeft(f"{type(exc).__name__}: {exc}") from None
         if partial:
             timing.saw(partial, now)   # a last line without its newline
         if not timing.done:

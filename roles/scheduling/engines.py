@@ -175,31 +175,37 @@ class EngineScheduler(EngineFeedback):
         it."""
         step = self.tbt_s(state, prompt_tokens) if step_s is None else step_s
         sized = state.capacity_blocks is not None and block_size > 0
-        size = block_size if sized else 1
+
+        def blocks(tokens: int) -> int:
+            # Without a cache size nothing waits for room: blocks are not counted.
+            return blocks_for(tokens, block_size) if sized else 0
+
         held: set[int] = set()
         decoding: list[Decoding] = []
         queued: list[Queued] = []
         out = self.typical_output()
-        typical = blocks_for(self.typical_prompt(prompt_tokens) + out, size)
+        typical = blocks(self.typical_prompt(prompt_tokens) + out)
         # Other clients' waiting requests came before ours sent now; ours
         # queued there are in booking order.
         queued += [Queued(self.foreign_prefill_s(state, prompt_tokens), typical, typical,
                           max(1, out))] * state.foreign_waiting
         decoding += [Decoding(typical, max(1, out))] * state.foreign_running
         for rid, r in state.requests.items():
-            shared = shared_blocks(r.block_keys, held)
-            held.update(r.block_keys)
-            hold = blocks_for(r.prompt_tokens + r.output_tokens, size) - shared
+            shared = 0
+            if sized:   # prefix blocks a running request holds are mapped, not taken
+                shared = shared_blocks(r.block_keys, held)
+                held.update(r.block_keys)
+            hold = blocks(r.prompt_tokens + r.output_tokens) - shared
             if r.first_token_at is None:
                 booking = state.queue.pending[rid]
                 queued.append(Queued(booking.remaining_s(now, use_expected_start=True),
-                                     blocks_for(r.prompt_tokens + 1, size) - shared, hold,
+                                     blocks(r.prompt_tokens + 1) - shared, hold,
                                      max(1, r.output_tokens)))
             else:
                 decoding.append(Decoding(hold, r.output_tokens - r.generated(now, step)))
         # At its start the engine needs its prompt's blocks and the first
-        # output token's; prefix blocks a running request holds are mapped.
-        need = blocks_for(prompt_tokens + 1, size) - shared_blocks(block_keys, held)
+        # output token's.
+        need = blocks(prompt_tokens + 1) - (shared_blocks(block_keys, held) if sized else 0)
         return start_after_s(state.capacity_blocks if sized else None, decoding, queued,
                              need, step)
 

@@ -308,6 +308,19 @@ async def test_each_read_from_the_engine_is_one_write_to_the_client():
     assert progress == [("e", "r", 1), ("e", "r", 2), ("e", "r", 3)]
 
 
+def test_stream_timing_gives_the_mean_and_the_median_interval():
+    """Three tokens 10 ms apart, then one that waited 200 ms behind a
+    prefill chunk: the mean interval counts the wait, the median (the
+    engine's bare decode step) does not."""
+    line = b'data: {"choices": [{"index": 0, "text": "t"}]}'
+    timing = StreamTiming()
+    assert timing.mean_interval_s() is None and timing.median_interval_s() is None
+    for at in (1.0, 1.01, 1.02, 1.22):
+        timing.saw(line, at)
+    assert timing.mean_interval_s() == pytest.approx(0.22 / 3)
+    assert timing.median_interval_s() == pytest.approx(0.01)
+
+
 class ClosingClient:
     """A client connection that has gone: aiohttp's server-side writer
     raises its ClientConnectionResetError, an aiohttp ClientError."""

@@ -322,6 +322,43 @@ def test_eviction_counts_blocks_still_being_computed_and_needs_a_size():
     assert sched.status(now=100.0)["engines"]["a"]["capacity_blocks"] == 20
 
 
+def test_finished_streams_fit_the_step_on_the_median_and_the_tbt_on_the_mean():
+    # A stream whose few gaps shared a step with a prefill chunk: its mean
+    # interval is well above its median.  The TBT (what the client is judged
+    # on) follows the mean, the bare decode step the median.
+    sched = make(engines=("a",))
+    a = sched.engines["a"]
+    d = sched.schedule("r1", 100, {}, now=0.0)
+    sched.on_first_token("a", d.request_id, now=0.1)
+    sched.on_finished("a", d.request_id, now=1.0, mean_tbt_s=0.06, tokens=10,
+                      median_tbt_s=0.012)
+    # Modelled 12 ms at a batch of one (10 + 2 ms): the mean is 5x that, the
+    # median 1x; each level moves by alpha = 0.2 of its ratio.
+    assert a.decode_est.scale == pytest.approx(0.8 + 0.2 * 5)
+    assert a.step_est.scale == pytest.approx(1.0)
+    assert sched.status(now=1.0)["engines"]["a"]["step_scale"] == pytest.approx(1.0)
+
+
+def test_queued_prefills_each_carry_a_bare_decode_step_not_the_mean_interval():
+    # "d" decodes at a; two 100-token prompts (0.1 s each) are queued behind
+    # it.  Each step that prefills one also decodes "d": 0.1 s + the bare
+    # step (5 ms), so a request sent now starts after 2 x 0.105 = 0.21 s.
+    # The mean interval (50 ms) would price it 0.3 s: it counts the
+    # prefill chunks a stream's gaps shared a step with a second time.
+    sched = make(engines=("a",))
+    a = sched.engines["a"]
+    a.decode_est = DecodeEstimator(0.05, 0.0, 0.0)
+    a.step_est = DecodeEstimator(0.005, 0.0, 0.0)
+    sched.schedule("d", 100, {}, now=0.0, max_tokens=100)
+    sched.on_first_token("a", "d", now=0.1)
+    sched.schedule("q1", 100, {}, now=0.1, max_tokens=10)
+    sched.schedule("q2", 100, {}, now=0.1, max_tokens=10)
+    decision = sched.schedule("r", 100, {}, now=0.1, max_tokens=10)
+    assert decision.t_start == pytest.approx(0.21)
+    assert decision.t_queue == pytest.approx(0.21)
+    assert decision.predicted_tbt_s == pytest.approx(0.05)
+
+
 def test_a_full_kv_cache_delays_the_start_until_decoding_requests_finish():
     # Both engines hold 10 blocks of 100 tokens.  At a: a 700-token prompt
     # with max_tokens 100 has its first token at 1.0 s; it holds 8 blocks

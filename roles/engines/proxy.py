@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import statistics
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -128,6 +129,14 @@ class StreamTiming:
         if self.chunks < 2 or self.first_at is None or self.last_at is None:
             return None
         return (self.last_at - self.first_at) / (self.chunks - 1)
+
+    def median_interval_s(self) -> float | None:
+        """The median gap between content chunks: the engine's bare decode
+        step, which the few gaps a prefill chunk shared a step with do not
+        move (the mean counts them)."""
+        if not self.intervals:
+            return None
+        return statistics.median(self.intervals)
 
 
 def _has_content(event) -> bool:
@@ -404,7 +413,8 @@ class EngineProxy:
     def _count(self, engine: str, status: str, started_at: float, tokens: int) -> None:
         self.metrics.engine_finished(engine, status, time.monotonic() - started_at, tokens)
 
-    def _first_token(self, proxied: ProxiedRequest, at: float | None, usage: dict | None) -> None:
+    def _first_token(self, proxied: ProxiedRequest, at: float | None, usage: dict | None,
+                     timing: StreamTiming | None = None) -> None:
         """Count a request's first token: its TTFT against the prediction
         (``at`` None: not seen, a whole answer), and its prefix hit (the
         engine's count where its usage says, else the index's match it was
@@ -416,13 +426,18 @@ class EngineProxy:
             log.debug("%s at %s: TTFT %.1f ms (%.1f tokenizing), predicted %.1f (queue %.1f "
                       "(start %.1f) + prefill %.1f (x%.2f, busy level %d) + residual); "
                       "%d prompt tokens, %d predicted "
-                      "cached, %s reported; %d decoding there when sent; among %s",
+                      "cached, %s reported; %d decoding there when sent; TBT predicted %.1f, "
+                      "intervals mean %.1f median %.1f over %d; among %s",
                       d.request_id, d.engine,
                       (at - proxied.started_at) * 1e3,
                       (proxied.scheduled_at - proxied.started_at) * 1e3,
                       d.predicted_ttft_s * 1e3, d.t_queue * 1e3, d.t_start * 1e3,
                       d.t_prefill * 1e3, d.slowdown, d.busy_level,
                       proxied.prompt_tokens, d.prefix_tokens, cached, proxied.decoding_at_send,
+                      d.predicted_tbt_s * 1e3,
+                      (timing.mean_interval_s() or 0.0) * 1e3 if timing else 0.0,
+                      (timing.median_interval_s() or 0.0) * 1e3 if timing else 0.0,
+                      len(timing.intervals) if timing else 0,
                       ", ".join(f"{e} (cached {p}, TTFT {t * 1e3:.1f}, cost {c * 1e3:.1f})"
                                 for e, p, t, c in d.candidates))
         self.metrics.engine_first_token(
@@ -492,7 +507,7 @@ class EngineProxy:
                 pass
             return resp
         self.scheduler.on_finished(name, rid, time.monotonic(), timing.mean_interval_s(),
-                                   timing.chunks)
+                                   timing.chunks, timing.median_interval_s())
         self._stream_ended(name, proxied, timing, "ok")
         return resp
 
@@ -501,7 +516,7 @@ class EngineProxy:
         """Count a stream once it ended: its first token (the usage, which
         says what the engine reused, comes last), its token gaps, its end."""
         if timing.first_at is not None:
-            self._first_token(proxied, timing.first_at, timing.usage)
+            self._first_token(proxied, timing.first_at, timing.usage, timing)
         for gap in timing.intervals:
             self.metrics.tbt.observe(gap)
         self._count(engine, status, proxied.started_at,

@@ -74,9 +74,11 @@ class EngineFeedback:
             req.tokens_out = tokens
 
     def on_finished(self, engine: str, request_id: str, now: float,
-                    mean_tbt_s: float | None = None, tokens: int = 0) -> None:
-        """The request ended; ``mean_tbt_s``: the mean of its ``tokens``'
-        intervals as streamed, which the engine's decode model is fitted on."""
+                    mean_tbt_s: float | None = None, tokens: int = 0,
+                    median_tbt_s: float | None = None) -> None:
+        """The request ended; ``mean_tbt_s`` / ``median_tbt_s``: the mean and
+        the median of its ``tokens``' intervals as streamed, which the
+        engine's TBT and bare decode step are fitted on."""
         state = self.engines.get(engine)
         if state is None:
             return
@@ -88,6 +90,8 @@ class EngineFeedback:
             self.recent_outputs.append(tokens)
         if req is not None and mean_tbt_s is not None and mean_tbt_s > 0 and tokens > 1:
             state.decode_est.observe(req.batch, req.context_tokens + tokens // 2, mean_tbt_s)
+        if req is not None and median_tbt_s is not None and median_tbt_s > 0 and tokens > 1:
+            state.step_est.observe(req.batch, req.context_tokens + tokens // 2, median_tbt_s)
         if req is not None and req.observed and req.ttft_s is not None:
             intervals = [mean_tbt_s] if mean_tbt_s is not None and tokens > 1 else []
             self.ttft_residuals.quantile = self.admission.observe(met_slos(
@@ -136,7 +140,9 @@ class EngineFeedback:
                 "own_prefill_fit": s.prefill_est.fitted_since_fork(),
                 "prefill_coeffs": getattr(est, "coeffs", None),
                 "decode_coeffs": [s.decode_est.c0, s.decode_est.c_batch, s.decode_est.c_ctx],
-                "decode_scale": s.decode_est.scale}
+                "decode_scale": s.decode_est.scale,
+                "step_coeffs": [s.step_est.c0, s.step_est.c_batch, s.step_est.c_ctx],
+                "step_scale": s.step_est.scale}
         return {"engines": engines, "rejections": dict(self.rejections),
                 "reuse_share": round(self.reuse.share(), 4),
                 "ttft_error": {"count": n, "mean_s": total / n if n else 0.0,

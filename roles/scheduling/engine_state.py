@@ -93,7 +93,12 @@ class EngineState:
 
     name: str
     prefill_est: PrefillEstimator
+    # Its streams' mean token interval: what a client's TBT is judged on,
+    # the gaps that shared a step with a prefill chunk included.
     decode_est: DecodeEstimator
+    # Its streams' median token interval: the bare decode step, the time a
+    # step adds beside the prefill work it carries.
+    step_est: DecodeEstimator
     # The machine it runs on: engines of one machine slow each other
     # (contention.py).  Its own name when not known to share one.
     machine: str

@@ -13,7 +13,7 @@ every live engine, never a transfer.  Per live, non-stale engine:
   mean prompt length routed lately; or, when longer, when the engine's
   next seconds played forward start it (engine_timeline.py: requests wait
   for KV blocks that decoding requests hold until their last token, and
-  each prefill step also carries a decode step);
+  each prefill step also carries a bare decode step: ``step_s``);
 - prefill: the engine's own fit on its observed prefills once it has one,
   else the fleet-wide fit every engine feeds (a copy of the conductor's
   prior, so a new engine is priced as the others run), times the slowdown
@@ -96,7 +96,7 @@ class EngineScheduler(EngineFeedback):
         ``machine``: the machine it runs on, shared with the engines that
         name the same one (None: a machine of its own)."""
         state = EngineState(name, self.prefill_est.fork(), copy.deepcopy(self.decode_prior),
-                            machine or name)
+                            copy.deepcopy(self.decode_prior), machine or name)
         self.engines[name] = state
         return state
 
@@ -170,10 +170,10 @@ class EngineScheduler(EngineFeedback):
         work left and the blocks of their prompt and expected output,
         decoding ones with their tokens left), other clients' waiting and
         running requests as typical requests of ours, its KV cache size
-        (None: nothing waits for room).  ``step_s``: the engine's decode
-        step with the request in its batch (``tbt_s``), when the caller has
+        (None: nothing waits for room).  ``step_s``: the engine's bare decode
+        step with the request in its batch (``step_s``), when the caller has
         it."""
-        step = self.tbt_s(state, prompt_tokens) if step_s is None else step_s
+        step = self.step_s(state, prompt_tokens) if step_s is None else step_s
         sized = state.capacity_blocks is not None and block_size > 0
 
         def blocks(tokens: int) -> int:
@@ -210,13 +210,23 @@ class EngineScheduler(EngineFeedback):
                              need, step)
 
     def tbt_s(self, state: EngineState, prompt_tokens: int) -> float:
-        """The engine's predicted TBT with this request in its batch."""
-        # Everything at the engine now runs beside it once it decodes.
+        """The engine's predicted TBT with this request in its batch: the
+        mean token interval its streams show (prefill chunks included)."""
+        return state.decode_est.seconds(*self._batch_with(state, prompt_tokens))
+
+    def step_s(self, state: EngineState, prompt_tokens: int) -> float:
+        """The engine's bare decode step with this request in its batch (its
+        streams' median interval): what each step adds to the prefill work
+        it carries, in the timeline."""
+        return state.step_est.seconds(*self._batch_with(state, prompt_tokens))
+
+    def _batch_with(self, state: EngineState, prompt_tokens: int) -> tuple[int, int]:
+        """(batch, context tokens) at the engine with this request decoding:
+        everything at the engine now runs beside it once it decodes."""
         foreign = state.foreign_running + state.foreign_waiting
-        batch = state.in_flight() + 1
         context = sum(r.prompt_tokens for r in state.requests.values()) + prompt_tokens \
             + foreign * self.typical_prompt(prompt_tokens)
-        return state.decode_est.seconds(batch, context)
+        return state.in_flight() + 1, context
 
     def ttft_residuals_at(self, name: str, level: int, now: float) -> tuple[float, float]:
         """(median, spread) of the engine's TTFT residuals: the median is
@@ -278,7 +288,8 @@ class EngineScheduler(EngineFeedback):
             prefix = max(0, min(held, prompt_tokens - 1))
             held_by[name] = held
             tbt = self.tbt_s(state, prompt_tokens)
-            t_start = self.start_wait_s(state, now, prompt_tokens, block_keys, block_size, tbt)
+            t_start = self.start_wait_s(state, now, prompt_tokens, block_keys, block_size,
+                                        self.step_s(state, prompt_tokens))
             t_queue = max(self.queue_s(state, now, prompt_tokens), t_start)
             busy = self.busy_level(state)
             slowdown = self.contention.slowdown(state.machine, busy, now)

@@ -359,6 +359,31 @@ def test_queued_prefills_each_carry_a_bare_decode_step_not_the_mean_interval():
     assert decision.predicted_tbt_s == pytest.approx(0.05)
 
 
+def test_a_prefill_goes_where_it_pushes_no_reply_over_the_tbt_slo():
+    # "d" decodes at a: 3 tokens (2 intervals), its first at 0.1 s.  "w"
+    # is queued at b (0.1 s of prefill, one token: no interval to stretch).
+    # A 300-token prompt at 0.1 s costs 0.3 s at a and 0.1 + 0.3 s at b:
+    # a is cheaper by more than the tie share.  But a's bare step with it
+    # in the batch is 10 + 2 x 2 = 14 ms, so d's two intervals take 28 ms,
+    # a mean of 14 ms; the 0.3 s prefill runs in them: (28 + 300) / 2 =
+    # 164 ms, over the 100 ms TBT SLO.  It goes to b.
+    sched = make()
+    sched.schedule("d", 100, {}, now=0.0, among={"a"}, max_tokens=3)
+    sched.on_first_token("a", "d", now=0.1)
+    sched.schedule("w", 100, {}, now=0.1, among={"b"}, max_tokens=1)
+    a = sched.engines["a"]
+    assert sched.tbt_misses_caused(a, 0.1, 0.3, 0.014) == 1
+    # 30 ms of prefill: (28 + 30) / 2 = 29 ms, within the SLO.
+    assert sched.tbt_misses_caused(a, 0.1, 0.03, 0.014) == 0
+    d = sched.schedule("r", 300, {}, now=0.1, max_tokens=10)
+    assert (d.engine, d.tbt_misses) == ("b", 0)
+    assert d.predicted_ttft_s == pytest.approx(0.4)
+    # A reply already over the SLO is not one this prefill makes miss: d
+    # has 2 of its 3 tokens after 0.25 s: 0.25 + 14 ms over 2 intervals.
+    sched.on_tokens("a", "d", 2)
+    assert sched.tbt_misses_caused(a, 0.35, 0.3, 0.014) == 0
+
+
 def test_a_full_kv_cache_delays_the_start_until_decoding_requests_finish():
     # Both engines hold 10 blocks of 100 tokens.  At a: a 700-token prompt
     # with max_tokens 100 has its first token at 1.0 s; it holds 8 blocks

@@ -426,7 +426,8 @@ class EngineProxy:
             log.debug("%s at %s: TTFT %.1f ms (%.1f tokenizing), predicted %.1f (queue %.1f "
                       "(start %.1f) + prefill %.1f (x%.2f, busy level %d) + residual); "
                       "%d prompt tokens, %d predicted "
-                      "cached, %s reported; %d decoding there when sent; TBT predicted %.1f, "
+                      "cached, %s reported; %d decoding there when sent (%d pushed over the "
+                      "TBT SLO); TBT predicted %.1f, "
                       "intervals mean %.1f median %.1f over %d; among %s",
                       d.request_id, d.engine,
                       (at - proxied.started_at) * 1e3,
@@ -434,7 +435,7 @@ class EngineProxy:
                       d.predicted_ttft_s * 1e3, d.t_queue * 1e3, d.t_start * 1e3,
                       d.t_prefill * 1e3, d.slowdown, d.busy_level,
                       proxied.prompt_tokens, d.prefix_tokens, cached, proxied.decoding_at_send,
-                      d.predicted_tbt_s * 1e3,
+                      d.tbt_misses, d.predicted_tbt_s * 1e3,
                       (timing.mean_interval_s() or 0.0) * 1e3 if timing else 0.0,
                       (timing.median_interval_s() or 0.0) * 1e3 if timing else 0.0,
                       len(timing.intervals) if timing else 0,

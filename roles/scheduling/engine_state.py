@@ -37,6 +37,9 @@ class EngineDecision(NamedTuple):
     # by which t_prefill was multiplied.
     busy_level: int = 0
     slowdown: float = 1.0
+    # Requests of ours there whose mean token interval its prefill would
+    # push over the TBT SLO (``EngineScheduler.tbt_misses_caused``).
+    tbt_misses: int = 0
 
     @property
     def cost_s(self) -> float:

@@ -24,7 +24,10 @@ every live engine, never a transfer.  Per live, non-stale engine:
 
 Among the engines that admit the request (model + the admission-quantile
 residual <= TTFT SLO, and its predicted TBT, its DecodeEstimator at its
-running batch + 1, <= TBT SLO) the one with the least predicted TTFT plus
+running batch + 1, <= TBT SLO), those where its prefill, running in the
+steps that decode our requests there, pushes none of them over the TBT
+SLO (``tbt_misses_caused``) come first; among them the one with the least
+predicted TTFT plus
 the cost of what its blocks would evict there (cache_pressure.py; zero
 while the engine's cache has room, or its size is unknown) wins; costs
 closer than the engines' predictions err (their learned TTFT spreads) are
@@ -288,8 +291,8 @@ class EngineScheduler(EngineFeedback):
             prefix = max(0, min(held, prompt_tokens - 1))
             held_by[name] = held
             tbt = self.tbt_s(state, prompt_tokens)
-            t_start = self.start_wait_s(state, now, prompt_tokens, block_keys, block_size,
-                                        self.step_s(state, prompt_tokens))
+            step = self.step_s(state, prompt_tokens)
+            t_start = self.start_wait_s(state, now, prompt_tokens, block_keys, block_size, step)
             t_queue = max(self.queue_s(state, now, prompt_tokens), t_start)
             busy = self.busy_level(state)
             slowdown = self.contention.slowdown(state.machine, busy, now)
@@ -299,8 +302,10 @@ class EngineScheduler(EngineFeedback):
             ttft = model + median
             cached = None if cached_blocks is None else cached_blocks.get(name)
             eviction = self.eviction_s(state, prompt_tokens, held, block_size, cached)
+            misses = self.tbt_misses_caused(state, now, t_prefill, step)
             decision = EngineDecision(request_id, name, prefix, ttft, tbt, t_queue, t_prefill,
-                                      eviction, t_start, busy_level=busy, slowdown=slowdown)
+                                      eviction, t_start, busy_level=busy, slowdown=slowdown,
+                                      tbt_misses=misses)
             priced.append((name, prefix, ttft, decision.cost_s))
             limit = max(0.0, cfg.ttft_slo_s - spreads[name])
             if cfg.reject and ttft > limit:
@@ -329,6 +334,37 @@ class EngineScheduler(EngineFeedback):
                    output_tokens)
         return decision
 
+    def tbt_misses_caused(self, state: EngineState, now: float, prefill_s: float,
+                          step_s: float) -> int:
+        """How many of our requests at ``state`` would miss the TBT SLO
+        because a prefill of ``prefill_s`` runs there now, that would meet it
+        without: the engine runs prefill work in the steps that decode them,
+        so its prefill lengthens their token intervals by its time in all.
+        A reply is judged on the mean of its intervals (met_slos): one of
+        few tokens cannot absorb a long prefill.  Per request: its
+        intervals (expected output less one), the time its decode has taken
+        (since its first token) and will take (its intervals left at the
+        bare step ``step_s``); requests still queued there start decoding
+        before this prefill ends (it runs after theirs) and count whole."""
+        slo = self.config.tbt_slo_s
+        if prefill_s <= 0 or not math.isfinite(slo):
+            return 0
+        misses = 0
+        for r in state.requests.values():
+            intervals = max(r.output_tokens, r.tokens_out) - 1
+            if intervals < 1:
+                continue
+            if r.first_token_at is None:
+                decode_s = intervals * step_s
+            else:
+                left = intervals - (max(1, r.tokens_out) - 1)
+                if left < 1:
+                    continue
+                decode_s = max(0.0, now - r.first_token_at) + left * step_s
+            if decode_s / intervals <= slo < (decode_s + prefill_s) / intervals:
+                misses += 1
+        return misses
+
     def eviction_s(self, state: EngineState, prompt_tokens: int, held_tokens: int,
                    block_size: int, cached_blocks: int | None) -> float:
         """Expected recompute later requests pay for what this prompt's new
@@ -345,7 +381,9 @@ class EngineScheduler(EngineFeedback):
 
     def _before(self, d: EngineDecision, state: EngineState, best: EngineDecision,
                 spreads: Mapping[str, float]) -> bool:
-        """``d`` beats ``best``: a lower cost (predicted TTFT + eviction).
+        """``d`` beats ``best``: an engine where its prefill makes none of our
+        requests miss the TBT SLO (``tbt_misses_caused``) beats one where it
+        does; then a lower cost (predicted TTFT + eviction).
         Costs closer than the predictions err are a tie: closer than the
         lesser of the two engines' TTFT spreads (``ttft_spread_s``, learned
         from their residuals), or than TIE_SHARE of the lower cost.  A tie
@@ -355,6 +393,8 @@ class EngineScheduler(EngineFeedback):
         prefixes.  For a prompt neither holds any of, by fewer requests in
         flight, then by the engine chosen longest ago: new prefixes spread
         over the engines' caches instead of filling one."""
+        if (d.tbt_misses == 0) != (best.tbt_misses == 0):
+            return d.tbt_misses == 0
         tolerance = max(TIE_SHARE * min(d.cost_s, best.cost_s),
                         min(spreads.get(d.engine, 0.0), spreads.get(best.engine, 0.0)))
         if abs(d.cost_s - best.cost_s) > tolerance:

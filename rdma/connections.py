@@ -132,7 +132,12 @@ class Connections:
                 await ep.connect()
             except EndpointError as e:
                 self.path_failures += 1
-                self.paths.failure(key[0], path, str(e))
+                if self.directory.holds(desc):
+                    # Charged to the path only while ``desc`` is the peer's
+                    # registration: once a lookup found it elsewhere (it
+                    # restarted), a refused connect to its old address says
+                    # nothing of the path to the new one.
+                    self.paths.failure(key[0], path, str(e))
                 # The peer may have restarted elsewhere; look it up again next time.
                 self.directory.invalidate(desc)
                 raise

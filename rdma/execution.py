@@ -82,6 +82,9 @@ class RequestRunner:
                     fresh = None if st.transferred else await self._resolve(req)
                     if fresh is None or fresh == desc:
                         raise
+                    # The back-off its old address earned must not hold up
+                    # the first requests to where it is now.
+                    self.connections.paths.forget_segment(req.target_segment)
                     await self._move(st, fresh)
             st.state = TransferState.COMPLETED
         except TimeoutError:
@@ -127,18 +130,25 @@ class RequestRunner:
                                 f"topology names no nic for {rreg.location!r}")
         st.state = TransferState.PENDING
         parts = slicing.cut(req.local_offset, req.target_offset, req.length, self.slice_bytes)
+        # Not an asyncio.TaskGroup: on Python 3.11 a group whose child fails
+        # while the group waits cancels this task and never takes that cancel
+        # back (Task.uncancel), so the next group or deadline in this task
+        # ends at once, "cancelled" (the retry in ``run`` is one).
+        slices = [asyncio.ensure_future(self._run_slice(st, desc, local, s, primary, fallback))
+                  for s in parts]
         try:
-            async with asyncio.TaskGroup() as tg:
-                for s in parts:
-                    tg.create_task(self._run_slice(st, desc, local, s, primary, fallback))
-        except ExceptionGroup as eg:
-            # The first failing slice cancelled its siblings; report it.
-            first = next((e for e in eg.exceptions if isinstance(e, RequestFailed)), None)
-            if first is None:
-                raise
-            raise first from None
-        # A slice task that ended cancelled (not by us) ends the group
-        # without an error: COMPLETED only when every byte was acknowledged.
+            await asyncio.wait(slices, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            # The first failing slice ends its siblings (as does our own cancel).
+            for task in slices:
+                task.cancel()
+            await asyncio.wait(slices)
+        failed = [t.exception() for t in slices if not t.cancelled() and t.exception() is not None]
+        if failed:
+            first = next((e for e in failed if isinstance(e, RequestFailed)), failed[0])
+            raise first
+        # A slice task that ended cancelled (not by us) is no error of its
+        # own: COMPLETED only when every byte was acknowledged.
         if st.transferred < req.length:
             raise RequestFailed(f"{req.length - st.transferred} of {req.length} bytes were not "
                                 f"acknowledged (a slice was cancelled)")

@@ -166,6 +166,13 @@ class PathTable:
             h.probing = False
             self._notify()
 
+    def forget_segment(self, seg: str) -> None:
+        """Drop the health of every path to ``seg``: the peer registered
+        again at new addresses, and the failures were its old address's."""
+        for key in [k for k in self.health if k[0] == seg]:
+            del self.health[key]
+        self._notify()
+
     def add_inflight(self, seg: str, path: Path, n: int) -> None:
         left = self.inflight.get((seg, path), 0) + n
         if left:

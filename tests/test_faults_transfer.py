@@ -19,7 +19,7 @@ from rdma.connections import Connections
 from rdma.directory import SegmentDirectory
 from rdma.endpoint import EndpointError
 from rdma.engine import TransferEngine
-from rdma.types import WRITE, TransferRequest
+from rdma.types import WRITE, TransferError, TransferRequest, TransferState
 
 SIZE = 256 << 10
 
@@ -134,3 +134,78 @@ async def test_a_connect_lost_on_the_way_is_retried_when_the_peer_is_where_it_wa
         current["decode"] = peer.segment_descriptor()
         await sender.transfer([TransferRequest(WRITE, region.id, 0, SIZE, "decode", 0)])
     assert failed and target == src
+
+
+async def test_the_back_off_of_a_restarted_peers_old_address_does_not_hold_up_the_new_one():
+    """A connect refused at the old address puts the path in back-off; the
+    peer's new registration starts without that history, and connects that
+    still fail at the old address after the lookup found the new one are not
+    charged to it.  With a back-off far past the request deadline, writes
+    that waited it out would time out instead of landing."""
+    current: dict = {}
+
+    async def resolver(name: str):
+        return current.get(name)
+
+    src = bytearray(b"\x77" * SIZE)
+    patient = TransferConfig(transport="tcp", slice_bytes=64 << 10, request_timeout_s=5,
+                             nic_backoff_s=600, nic_backoff_max_s=600, connect_timeout_s=1)
+    async with TransferEngine(patient, "prefill") as sender:
+        sender.set_resolver(resolver)
+        region = sender.register_local_memory(src)
+        async with engine("decode") as old:
+            old.register_local_memory(bytearray(SIZE))
+            current["decode"] = old.segment_descriptor()
+            await sender.transfer([TransferRequest(WRITE, region.id, 0, SIZE, "decode", 0)])
+        target = bytearray(SIZE)
+        async with engine("decode") as new:
+            new.register_local_memory(target)
+            current["decode"] = new.segment_descriptor()
+            quarter = SIZE // 4
+            # Four requests at once: each slice first meets the stale address.
+            await asyncio.gather(*(sender.transfer([TransferRequest(WRITE, region.id, i * quarter, quarter,
+                                                                    "decode", i * quarter)])
+                                   for i in range(4)))
+            assert target == src
+            assert not sender.paths.health  # nothing of the old address is held against the path
+
+
+async def test_a_deadline_after_the_retry_on_a_new_address_is_reported_as_a_timeout():
+    """The request's retry against the peer's new registration runs in the
+    same task as its first try, whose slices failed.  That first failure
+    must leave the task uncancelled (Python 3.11's TaskGroup cancels it and
+    never takes that back), or the deadline during the retry ends the
+    request as "cancelled" instead of TIMEOUT (a 502 "... cancelled" after
+    a decode node's restart)."""
+    refused = socket.socket()  # the old address: closed, refuses connects
+    refused.bind(("127.0.0.1", 0))
+    refused_port = refused.getsockname()[1]
+    refused.close()
+    silent = socket.socket()   # the new address: accepts, never answers the handshake
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    lookups: list[str] = []
+    try:
+        async with engine("decode") as peer:
+            peer.register_local_memory(bytearray(SIZE))
+            wire = peer.segment_descriptor()
+        old = {**wire, "nics": [{**wire["nics"][0], "port": refused_port}]}
+        new = {**wire, "nics": [{**wire["nics"][0], "port": silent.getsockname()[1]}]}
+
+        async def resolver(name: str):
+            lookups.append(name)
+            return old if len(lookups) == 1 else new
+
+        cfg = TransferConfig(transport="tcp", slice_bytes=64 << 10, request_timeout_s=1.5,
+                             nic_backoff_s=0.05, connect_timeout_s=30)
+        async with TransferEngine(cfg, "prefill") as sender:
+            sender.set_resolver(resolver)
+            region = sender.register_local_memory(bytearray(SIZE))
+            with pytest.raises(TransferError) as err:
+                await sender.transfer([TransferRequest(WRITE, region.id, 0, SIZE, "decode", 0)])
+        (status,) = err.value.statuses
+        assert len(lookups) >= 2, status  # the retry ran against the new address
+        assert status.state == TransferState.TIMEOUT, status
+        assert "request_timeout_s" in status.reason
+    finally:
+        silent.close()

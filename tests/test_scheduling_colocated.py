@@ -132,3 +132,37 @@ def test_a_chunk_gives_way_after_the_step_ratio_of_the_models_step():
     chunk, step = s.interleave("c0")
     assert chunk == pytest.approx(0.032)
     assert s.prefill_share("c0") == pytest.approx(0.032 / (0.032 + step))
+
+
+def two_colocated(tbt_slo_s):
+    """c0 and c1 both prefill and decode; the step grows 0.01 s a sequence."""
+    s = Scheduler(SchedulerConfig(policy="load_balance", kv_bytes_per_token=1000,
+                                  ttft_slo_s=30.0, tbt_slo_s=tbt_slo_s,
+                                  queue_from_bookings=False, per_node_prefill_fit=False),
+                  PolynomialPrefillEstimator({"n": PER_TOKEN}), TransferEstimator(1e9),
+                  DecodeEstimator(0.010, 0.010, 0.0))
+    for node in ("c0", "c1"):
+        s.add_prefill_node(node)
+        s.add_decode_node(node, page_budget=10_000, page_tokens=BS)
+    s.on_node_report("c1", NodeReport(at=0.0, queued_prefill_s=100.0), 0.0)  # c0 prefills
+    return s
+
+
+def test_the_node_that_prefills_decodes_too_while_its_tbt_is_admitted():
+    s = two_colocated(tbt_slo_s=0.1)
+    a = s.schedule(req("a", 100, out=8), now=0.0)
+    assert (a.prefill_node, a.decode_node) == ("c0", "c0")
+    # "b" joins c0 beside "a": a step of 0.01 + 0.01 x 2 = 0.03 s, within the
+    # 0.1 s SLO although idle c1 would step in 0.02 s: the KV stays on c0.
+    b = s.schedule(req("b", 100, out=8), now=0.0)
+    assert (b.prefill_node, b.decode_node) == ("c0", "c0")
+    assert b.predicted_tbt_s == pytest.approx(0.03)
+
+
+def test_a_reply_whose_tbt_the_prefill_node_would_miss_decodes_elsewhere():
+    s = two_colocated(tbt_slo_s=0.025)
+    s.schedule(req("a", 100, out=8), now=0.0)
+    # 0.03 s on c0 is over the 0.025 s SLO: the least TBT, c1's 0.02 s.
+    b = s.schedule(req("b", 100, out=8), now=0.0)
+    assert (b.prefill_node, b.decode_node) == ("c0", "c1")
+    assert b.predicted_tbt_s == pytest.approx(0.02)

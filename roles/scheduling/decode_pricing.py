@@ -7,7 +7,8 @@ interval and, on a colocated node, the prefill chunks interleaved between
 steps.  As for prefill, the choice reads the residuals' medians (the
 decode node with the least typical TBT is the request's) and admission
 their admission quantile (that node's bound is what the SLO is checked
-against).  A mixin
+against).  A colocated node that prefills a request decodes it too while
+its TBT there is admitted: the local route moves no KV.  A mixin
 of Scheduler (scheduler.py), which holds the residual models
 (``tbt_residuals``, ``handoff_residuals``) and ``load_level()`` these
 methods read; nothing here blocks, sleeps or does I/O.
@@ -84,7 +85,9 @@ class DecodePricing(NodeBookings):
     def _decode_choice(self, req: ScheduleRequest, now: float | None = None, join_in_s: float = 0.0,
                        prefill_node: str | None = None
                        ) -> tuple[DecodeNodeState | None, float, float, float]:
-        """Least typical TBT among live decode nodes with pages for the
+        """The prefill node itself when it decodes too and admits the
+        request's TBT there (the local route: no KV crosses the network);
+        else the least typical TBT among live decode nodes with pages for the
         request: (node, the mean interval of its reply from the model's
         interval scaled by the node's learned ``tbt_ratio`` plus its
         hand-off, both at the admission quantile, the model's step, the
@@ -121,6 +124,13 @@ class DecodePricing(NodeBookings):
                     tbt + chunks, self.tbt_ratio(d.node_id, now, typical=median),
                     self.handoff_s(d.node_id, now, prefill_node=prefill_node, typical=median),
                     req.expected_output_tokens) for median in (False, True))
+            if now is not None and d.node_id == prefill_node and (
+                    scaled <= self.config.tbt_slo_s or req.expected_output_tokens <= 1):
+                # The node that prefills the request decodes it when its TBT
+                # is admitted there: another node's decode adds a reservation
+                # round trip and the whole prompt's KV stream to the TTFT and
+                # to both nodes' cores, and saves nothing the SLO scores.
+                return d, scaled, tbt, chunks
             if typical < best_typical:
                 best, best_tbt, best_step, best_chunks = d, scaled, tbt, chunks
                 best_typical = typical

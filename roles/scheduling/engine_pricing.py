@@ -109,10 +109,12 @@ class EnginePricing:
         return start_after_s(state.capacity_blocks if sized else None, decoding, queued,
                              need, step)
 
-    def tbt_s(self, state: EngineState, prompt_tokens: int) -> float:
-        """The engine's predicted TBT with this request in its batch: the
-        mean token interval its streams show (prefill chunks included)."""
-        return state.decode_est.seconds(*self._batch_with(state, prompt_tokens))
+    def tbt_and_step_s(self, state: EngineState, prompt_tokens: int) -> tuple[float, float]:
+        """The engine's predicted TBT with this request in its batch (the
+        mean token interval its streams show, prefill chunks included) and
+        its bare decode step there (``step_s``), the batch priced once."""
+        joined = self._batch_with(state, prompt_tokens)
+        return state.decode_est.seconds(*joined), state.step_est.seconds(*joined)
 
     def step_s(self, state: EngineState, prompt_tokens: int) -> float:
         """The engine's bare decode step with this request in its batch (its

@@ -183,9 +183,7 @@ class EngineScheduler(EnginePricing, EngineFeedback):
             # At least the last prompt token is computed: it makes the first output token.
             prefix = max(0, min(held, prompt_tokens - 1))
             held_by[name] = held
-            # The batch it would join, once for both decode fits.
-            joined = self._batch_with(state, prompt_tokens)
-            tbt, step = state.decode_est.seconds(*joined), state.step_est.seconds(*joined)
+            tbt, step = self.tbt_and_step_s(state, prompt_tokens)
             t_start = self.start_wait_s(state, now, prompt_tokens, block_keys, block_size, step)
             t_queue = max(self.queue_s(state, now, prompt_tokens), t_start)
             busy = self.busy_level(state)

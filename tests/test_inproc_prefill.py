@@ -798,3 +798,57 @@ async def test_a_batched_pass_is_charged_once_to_its_requests(open_worker, decod
     # ... and req-2's 40 behind req-1: req-1's first token waited for them too.
     assert one.timings.batched_behind_s == pytest.approx(two.timings.compute_s, rel=1e-3)
     assert two.timings.batched_behind_s == 0.0
+
+
+# ---- where a reply's time went --------------------------------------------------------
+
+BLOCKED_S = 0.5   # the compute thread is held this long before the prefill's work
+
+
+def hold_the_thread(worker: WorkerNode) -> asyncio.Future:
+    """Occupy the compute thread for BLOCKED_S from now (queued at once)."""
+    return asyncio.get_running_loop().run_in_executor(worker.compute_pool, time.sleep, BLOCKED_S)
+
+
+async def test_a_reply_tells_its_wait_for_the_thread_and_its_steps_from_its_compute(
+        open_worker, decode):
+    """A chunk queued behind other work on the compute thread waited for it:
+    that wait is thread_wait_s, not compute; a decode step run inside the
+    prefill is gave_way_s, neither."""
+    worker = await open_worker()
+    loop = asyncio.get_running_loop()
+    order: list[str] = []
+    queued: list[asyncio.Future] = []
+
+    def step() -> None:
+        time.sleep(0.2)
+
+    def before(start: int, layer: int) -> None:
+        if (start, layer) == (0, 0):
+            list_step(worker, loop, queued, step)
+    held = hold_the_thread(worker)
+    reply, _ = await run_recorded(worker, decode, order, before)
+    await asyncio.gather(held, *queued)
+    t = reply.timings
+    assert worker.steps.between_layers == 1
+    assert t.gave_way_s >= 0.2
+    assert t.thread_wait_s >= BLOCKED_S - 0.1
+    assert t.compute_s < 0.2
+
+
+async def test_a_batched_pass_waiting_for_the_thread_does_not_count_the_wait_as_compute(
+        open_worker, decode, service_on):
+    worker = await open_worker()
+    svc = await service_on(worker, chunk_size=64)
+    prompts = {"req-1": tokens(20, seed=3), "req-2": tokens(40, seed=4)}
+    grants = {rid: decode.reserve(len(p) + GREEDY.max_tokens) for rid, p in prompts.items()}
+    held = hold_the_thread(worker)
+    one, two = await asyncio.gather(*(svc.submit(spec_for(worker, rid, p, grants[rid]))
+                                      for rid, p in prompts.items()))
+    await held
+    assert svc.batches == 1
+    for reply in (one, two):
+        assert reply.timings.thread_wait_s >= BLOCKED_S - 0.1
+        assert reply.timings.gave_way_s == 0.0
+    # The pass's own time, shared by tokens (20 and 40): not the wait.
+    assert one.timings.compute_s + two.timings.compute_s < BLOCKED_S

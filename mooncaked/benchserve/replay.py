@@ -37,7 +37,8 @@ SERVER_FIELDS = ("prefill_node", "decode_node", "policy", "cached_tokens", "loca
                  "tbt_s", "predicted_queue_s", "predicted_prefill_s", "schedule_s", "reserve_s",
                  "first_layer_sent_s", "prefill_rpc_s", "prefill_node_s",
                  "prefill_compute_cpu_s", "prefill_batched_ahead_s",
-                 "prefill_batched_behind_s")
+                 "prefill_batched_behind_s",
+                 "prefill_gave_way_s", "prefill_thread_wait_s")
 
 
 @dataclass

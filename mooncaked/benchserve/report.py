@@ -191,7 +191,7 @@ SERVER_CSV_FIELDS = ("predicted_ttft_s", "server_ttft_s", "predicted_queue_s", "
                      "predicted_prefill_s", "schedule_s", "reserve_s", "prefix_load_s",
                      "kv_transfer_wait_s", "first_layer_sent_s", "prefill_rpc_s", "prefill_node_s",
                      "prefill_compute_cpu_s", "prefill_batched_ahead_s",
-                     "prefill_batched_behind_s")
+                     "prefill_batched_behind_s", "prefill_gave_way_s", "prefill_thread_wait_s")
 CSV_FIELDS = ("index", "trace_index", "status", "http_status", "scheduled_s", "sent_s",
               "send_lag_s", "prompt_tokens", "cached_tokens", "shared_prefix_tokens",
               "max_tokens", "completion_tokens", "ttft_s", "tbt_s", "tpot_s", "e2e_s",

@@ -608,6 +608,12 @@ class PrefillTimings(Message):
     # Of a batched pass: the time spent on the requests ahead of it, and behind it.
     batched_ahead_s: float = wire(seconds, 0.0)
     batched_behind_s: float = wire(seconds, 0.0)
+    # A colocated node's decode steps that ran on the compute thread inside
+    # this prefill (at its yield points, or inside its batched pass).
+    gave_way_s: float = wire(seconds, 0.0, omit_zero=True)
+    # Its chunks' wait for the compute thread (a decode step or another
+    # request's work in front of them) and for the event loop to resume it.
+    thread_wait_s: float = wire(seconds, 0.0, omit_zero=True)
 
     def to_wire(self) -> dict[str, Any]:
         return {k: round(v, 6) for k, v in super().to_wire().items()}

@@ -105,6 +105,10 @@ class RequestTrace:
     prefill_batched_ahead_s: float = 0.0
     # ... and the part spent on the requests behind it (0 when not batched).
     prefill_batched_behind_s: float = 0.0
+    # A colocated node's decode steps run inside the prefill, and its wait
+    # for the node's compute thread (PrefillTimings).
+    prefill_gave_way_s: float = 0.0
+    prefill_thread_wait_s: float = 0.0
     kv_transfer_wait_s: float = 0.0
     first_layer_sent_s: float = 0.0
     # The prefill call as the conductor timed it (request sent to reply read)
@@ -547,6 +551,8 @@ class Dispatcher:
         trace.prefill_compute_cpu_s = work or 0.0
         trace.prefill_batched_ahead_s = timings.batched_ahead_s
         trace.prefill_batched_behind_s = timings.batched_behind_s
+        trace.prefill_gave_way_s = timings.gave_way_s
+        trace.prefill_thread_wait_s = timings.thread_wait_s
         sched.on_prefill_finished(decision.prefill_node, trace.request_id, time.monotonic(),
                                   trace.prefill_compute_s, actual_ttft_s=trace.ttft_s,
                                   actual_prefix_tokens=trace.cached_tokens,

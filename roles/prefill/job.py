@@ -82,8 +82,13 @@ class PrefillJob:
         # The compute thread's CPU clock when this job's compute began
         # (WorkerNode.compute_cpu_s); None until then.
         self.cpu_at_start: float | None = None
-        # Seconds the compute thread spent on this job's chunks.
+        # Seconds the compute thread spent on this job's chunks; on the
+        # decode steps it gave way to inside them; and from each chunk's
+        # submission to its result back on the event loop (all three and the
+        # waits for the thread and the loop).
         self.chunk_compute_s = 0.0
+        self.chunk_gave_way_s = 0.0
+        self.chunk_wall_s = 0.0
         # The conductor's prediction as this node can keep it: the first
         # token's reply due by ``reply_due`` (perf_counter; inf: no
         # prediction), after ``predicted_s`` of compute.  While the prefill
@@ -379,9 +384,15 @@ class PrefillJob:
                 if self.worker.interleave_tokens and self.worker.decoding(self.spec.request_id):
                     size = min(size, self.worker.interleave_tokens)
                 end = min(n, (start // size + 1) * size)
+                t_submit = time.perf_counter()
                 logits = await self.worker.compute(self._prefill_chunk, start, end, hook)
+                self.chunk_wall_s += time.perf_counter() - t_submit
                 start = end
-            self.result.timings.compute_cpu_s = self.worker.compute_cpu_s() - self.cpu_at_start
+            timings = self.result.timings
+            timings.compute_cpu_s = self.worker.compute_cpu_s() - self.cpu_at_start
+            timings.gave_way_s = self.chunk_gave_way_s
+            timings.thread_wait_s = max(0.0, self.chunk_wall_s - self.chunk_compute_s
+                                        - self.chunk_gave_way_s)
             # The prefill's own compute: not the decode steps a colocated
             # node ran between its chunks (the conductor prices those).
             return await self.finish(logits, t_compute, self.chunk_compute_s)
@@ -400,8 +411,9 @@ class PrefillJob:
                                                     start, layer_hook=hook,
                                                     yield_point=self._yield_point)
         finally:
-            self.chunk_compute_s += time.perf_counter() - t0 \
-                - (self.worker.steps.between_layers_s - steps_s)
+            stepped_s = self.worker.steps.between_layers_s - steps_s
+            self.chunk_gave_way_s += stepped_s
+            self.chunk_compute_s += time.perf_counter() - t0 - stepped_s
 
     def publish_new_blocks(self, table: list[int], first_new: int) -> list[int]:
         """Keep blocks [first_new, ...) of ``table`` in the local shard under

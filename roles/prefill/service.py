@@ -261,9 +261,13 @@ class PrefillService:
             requests = [(job.spec.token_ids, job.table, job.cached) for job in jobs]
 
             def compute():
-                return self.worker.runner.prefill_batch(
+                # The logits and the pass's own wall time, timed on the
+                # thread: not its wait for the thread or for the loop.
+                t0 = time.perf_counter()
+                logits = self.worker.runner.prefill_batch(
                     requests, layer_hook=lambda i, start, end, layer: hooks[i](start, end, layer),
                     yield_point=self.worker.give_way)
+                return logits, time.perf_counter() - t0
 
             t_compute = time.perf_counter()
             steps_s = self.worker.steps.between_layers_s
@@ -271,14 +275,15 @@ class PrefillService:
             for job in jobs:
                 job.cpu_at_start = cpu0
             try:
-                all_logits = await self.worker.compute(compute)
+                all_logits, pass_s = await self.worker.compute(compute)
             except Exception as exc:  # noqa: BLE001 - the whole pass failed
                 for item in ready:
                     self._failed(item, exc)
                 return
+            wall_s = time.perf_counter() - t_compute
             # The pass's own time: less the decode steps it gave way to.
             stepped_s = self.worker.steps.between_layers_s - steps_s
-            compute_s = time.perf_counter() - t_compute - stepped_s
+            compute_s = pass_s - stepped_s
             compute_cpu_s = self.worker.compute_cpu_s() - cpu0
             self.batches += 1
             self.batched_requests += len(ready)
@@ -300,6 +305,8 @@ class PrefillService:
                     # learns how much of that a queued request meets.
                     job.result.timings.batched_behind_s = \
                         compute_s * max(0, tokens - ahead - own) / tokens
+                    job.result.timings.gave_way_s = stepped_s
+                    job.result.timings.thread_wait_s = max(0.0, wall_s - pass_s)
                     self._succeeded(item, await job.finish(logits, t_compute,
                                                            compute_s * own / tokens))
                 except Exception as exc:  # noqa: BLE001 - this request only

@@ -5,6 +5,8 @@ While a colocated node decodes it alternates one prefill chunk of
 step) of the wall time, and a decode sequence's interval holds a chunk for
 as long as prefill work is queued there.
 """
+import math
+
 import pytest
 
 from roles.scheduling import (DecodeEstimator, NodeReport, PolynomialPrefillEstimator, Rejection,
@@ -166,3 +168,50 @@ def test_a_reply_whose_tbt_the_prefill_node_would_miss_decodes_elsewhere():
     b = s.schedule(req("b", 100, out=8), now=0.0)
     assert (b.prefill_node, b.decode_node) == ("c0", "c1")
     assert b.predicted_tbt_s == pytest.approx(0.02)
+
+
+def learn_share(s, count, gave_way_s=0.1, thread_wait_s=0.05, now=1.0):
+    """``count`` 100-token prefills booked on c0 while it decodes (modelled
+    share 0.8), each reporting 0.1 s of compute and ``gave_way_s`` of decode
+    steps run inside it."""
+    for i in range(count):
+        rid = f"learn-{i}"
+        s.schedule(req(rid, 100), now=0.0)
+        s.on_prefill_finished("c0", rid, now=now, actual_seconds=0.1,
+                              actual_gave_way_s=gave_way_s, actual_thread_wait_s=thread_wait_s)
+
+
+def test_the_share_a_decoding_node_gives_its_prefills_is_learned_from_their_replies():
+    """Modelled 0.8; measured 0.1 / (0.1 + 0.1) = 0.5 (the 0.05 s wait for
+    the thread does not grow with a prefill's length and is left out): each
+    reply adds the residual log(0.8 / 0.5), and with min_samples of them the
+    node's share is 0.8 / 1.6 = 0.5: 100 tokens (0.1 s of work) take 0.2 s."""
+    s = sched()
+    s.schedule(req("a", 100), now=0.0)    # "a" decodes on c0 from here on
+    learn_share(s, s.config.residual_min_samples)
+    assert s.modelled_prefill_share("c0") == pytest.approx(0.8)
+    assert s.prefill_share("c0", now=1.0) == pytest.approx(0.5)
+    assert s.prefill_share("c0") == pytest.approx(0.8)     # no time given: the model
+    b = s.schedule(req("b", 100), now=1.0)
+    assert b.t_prefill == pytest.approx(0.2)
+    stats = s.residual_stats(1.0)["prefill_share_log_ratio"]
+    assert stats["c0"].median == pytest.approx(math.log(0.8 / 0.5))
+
+
+def test_the_modelled_share_holds_until_enough_replies_say_otherwise():
+    s = sched()
+    s.schedule(req("a", 100), now=0.0)
+    learn_share(s, s.config.residual_min_samples - 1)
+    assert s.prefill_share("c0", now=1.0) == pytest.approx(0.8)
+
+
+def test_a_prefill_booked_while_its_node_did_not_decode_teaches_no_share():
+    """Booked on an idle c0 (modelled share 1): its steps came from
+    requests that arrived after it, not from what the model priced."""
+    s = sched()
+    for i in range(12):
+        rid = f"idle-{i}"
+        s.schedule(req(rid, 100), now=0.0)
+        s.on_prefill_finished("c0", rid, now=1.0, actual_seconds=0.1, actual_gave_way_s=0.1)
+        s.on_decode_finished("c0", rid, now=1.0)
+    assert s.residual_stats(1.0)["prefill_share_log_ratio"] == {}

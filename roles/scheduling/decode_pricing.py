@@ -69,7 +69,7 @@ class DecodePricing(NodeBookings):
         if p is None or not p.alive or chunk <= 0:
             return 0.0
         share = chunk / (chunk + step_s) if step_s > 0 else 1.0
-        queued = p.queue_time(now, self.progress_fn(node)) - join_in_s * share
+        queued = p.queue_time(now, self.progress_fn(node, now=now)) - join_in_s * share
         intervals = max(1, output_tokens - 1)
         return chunk * min(intervals, max(0.0, queued) / chunk) / intervals
 

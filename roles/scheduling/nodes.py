@@ -9,6 +9,7 @@ these methods read; nothing here blocks, sleeps or does I/O.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Iterable
 
@@ -120,11 +121,24 @@ class NodeBookings(YieldingPrefill):
         chunk = self.chunk_s(node, self.decode_est.seconds(d.batch_size, d.context_tokens))
         return (chunk, self.step_seconds(node)) if chunk > 0 else (0.0, 0.0)
 
-    def prefill_share(self, node: str) -> float:
-        """The share of wall time a prefill gets on ``node``: 1, or on a
-        colocated node that is decoding chunk / (chunk + step)."""
+    def modelled_prefill_share(self, node: str) -> float:
+        """The cost model's share of wall time a prefill gets on ``node``:
+        1, or on a colocated node that is decoding chunk / (chunk + step)."""
         chunk, step = self.interleave(node)
         return chunk / (chunk + step) if chunk > 0 and step > 0 else 1.0
+
+    def prefill_share(self, node: str, now: float | None = None) -> float:
+        """The share of wall time a prefill gets on ``node``: the modelled
+        share, and where that is below 1 (a colocated node that is decoding)
+        corrected by the median share residual of the node's prefills at
+        ``now`` (``share_residuals``: log(modelled / measured share), where
+        a prefill's measured share is its compute over its compute, the
+        decode steps it gave way to and its wait for the thread).  The model
+        alone when ``now`` is None."""
+        share = self.modelled_prefill_share(node)
+        if share >= 1.0 or now is None:
+            return share
+        return min(1.0, share * math.exp(-self.share_residuals.median(node, None, now)))
 
     def progress_fn(self, node: str, busy: list[borrowed.Interval] | None = None,
                     now: float | None = None) -> Progress:
@@ -133,7 +147,7 @@ class NodeBookings(YieldingPrefill):
         its learned ``yield_share`` (as of ``now``; unscaled when None); for
         a colocated node that is decoding, its ``prefill_share`` of them."""
         if not self.yields(node):
-            share = self.prefill_share(node)
+            share = self.prefill_share(node, now)
             if share >= 1.0:
                 return wall_progress
             return lambda start, end: share * max(0.0, end - start)

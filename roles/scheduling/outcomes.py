@@ -45,6 +45,9 @@ class Inflight:
     # profile): its error says how wrong that prior was, not how far the
     # fitted predictions stray, so it gets no weight in the residual model.
     priced_by_prior: bool = False
+    # The modelled share of its prefill node's compute thread when it was
+    # booked (1: the node was not decoding, or yields its cores).
+    modelled_share: float = 1.0
 
 
 
@@ -56,7 +59,9 @@ class OutcomeLearning(DecodePricing):
                             actual_work_s: float | None = None,
                             actual_batched_ahead_s: float = 0.0,
                             actual_batched_behind_s: float | None = None,
-                            actual_ttft_s: float | None = None) -> None:
+                            actual_ttft_s: float | None = None,
+                            actual_gave_way_s: float | None = None,
+                            actual_thread_wait_s: float = 0.0) -> None:
         """Prefill done (first token out): refit, and record the TTFT
         residual (measured minus the cost model's TTFT).
 
@@ -77,6 +82,12 @@ class OutcomeLearning(DecodePricing):
         `actual_batched_behind_s`: the part spent on the requests behind it
         in the pass (0: none; None: not measured, nothing learned): what
         batch_wait_s is fitted on.
+
+        `actual_gave_way_s`, `actual_thread_wait_s`: the decode steps a
+        colocated node ran inside the prefill and its wait for the compute
+        thread (None: not measured).  Booked while the node decoded, the
+        prefill's measured share of the thread (its compute over the three)
+        teaches the share residuals (prefill_share).
 
         `actual_seconds <= 0` means "no measurement" (cancelled or failed
         prefill): the booking is released but nothing is learned from it.
@@ -129,6 +140,13 @@ class OutcomeLearning(DecodePricing):
             self.prefill_est.observe(inf.req.prompt_tokens, prefix, fitted)
         if actual_batched_behind_s is not None and node in self.prefill:
             self._learn_batch_wait(node, inf.decision.t_queue, actual_batched_behind_s)
+        if actual_gave_way_s is not None and inf.modelled_share < 1.0:
+            # The steps run inside it stretch it in proportion to its length;
+            # its wait for the step on the thread when it began does not.
+            held = actual_seconds + max(0.0, actual_gave_way_s)
+            residual = log_ratio(inf.modelled_share, actual_seconds / held)
+            if residual is not None:
+                self.share_residuals.add(node, None, residual, now)
         actual_ttft = now - inf.scheduled_at if actual_ttft_s is None else actual_ttft_s
         inf.ttft_s = actual_ttft
         error = inf.decision.predicted_ttft_s - actual_ttft
@@ -145,7 +163,8 @@ class OutcomeLearning(DecodePricing):
         """The residual model's windows at ``now`` (for status pages)."""
         return {"ttft_s": self.ttft_residuals.stats(now),
                 "tbt_log_ratio": self.tbt_residuals.stats(now),
-                "handoff_s": self.handoff_residuals.stats(now)}
+                "handoff_s": self.handoff_residuals.stats(now),
+                "prefill_share_log_ratio": self.share_residuals.stats(now)}
 
     def on_decode_finished(self, node: str, request_id: str, now: float,
                            token_intervals: Sequence[float] | None = None) -> None:

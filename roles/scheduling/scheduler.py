@@ -78,6 +78,11 @@ class Scheduler(OutcomeLearning):
                                            config.residual_min_samples)
         self.handoff_residuals = ResidualModel(config.residual_half_life_s, config.admit_quantile,
                                                config.residual_min_samples)
+        # By prefill node: what the modelled share of a colocated node's
+        # compute thread missed of what its prefills got while it decoded
+        # (log modelled / measured share; NodeBookings.prefill_share).
+        self.share_residuals = ResidualModel(config.residual_half_life_s, config.admit_quantile,
+                                             config.residual_min_samples)
         # The admission quantile of all three, steered by admitted requests' outcomes.
         self.admission = AdmissionQuantile(config.admit_quantile, config.slo_attainment)
         self._set_admit_quantile(self.admission.quantile)
@@ -114,7 +119,7 @@ class Scheduler(OutcomeLearning):
 
         def wall_s(node: str, start: float, work: float) -> float:
             if not self.yields(node):
-                return work / self.prefill_share(node)
+                return work / self.prefill_share(node, now)
             # At ``share`` of the modelled progress, work w takes the wall
             # time the model gives w / share.
             return borrowed.wall_for(busy_of(node), start, work / self.yield_share(node, now),
@@ -222,6 +227,8 @@ class Scheduler(OutcomeLearning):
         if ctx is None:
             return self._reject(req, "no_prefill_node", math.inf, math.inf, 1.0)
         plan = self._choose(ctx)
+        # As priced, before this request's booking joins the decode load.
+        modelled_share = 1.0 if self.yields(plan.node) else self.modelled_prefill_share(plan.node)
         cfg = self.config
         level = self.load_level()
         model_ttft = plan.ttft + self.batch_wait_s(plan.node, plan.t_queue)
@@ -267,7 +274,7 @@ class Scheduler(OutcomeLearning):
         dnode.context_tokens += tokens
         self.inflight[req.request_id] = Inflight(
             decision, req, now, model_ttft, level, tbt_model, tbt_chunks,
-            priced_by_prior=prior_in_ttft)
+            priced_by_prior=prior_in_ttft, modelled_share=modelled_share)
         if req.block_keys:
             self._inflight_by_first_block.setdefault(req.block_keys[0], set()).add(req.request_id)
         return decision

@@ -170,7 +170,7 @@ def test_a_reply_whose_tbt_the_prefill_node_would_miss_decodes_elsewhere():
     assert b.predicted_tbt_s == pytest.approx(0.02)
 
 
-def learn_share(s, count, gave_way_s=0.1, thread_wait_s=0.05, now=1.0):
+def learn_share(s, count, gave_way_s=0.1, now=1.0):
     """``count`` 100-token prefills booked on c0 while it decodes (modelled
     share 0.8), each reporting 0.1 s of compute and ``gave_way_s`` of decode
     steps run inside it."""
@@ -178,14 +178,13 @@ def learn_share(s, count, gave_way_s=0.1, thread_wait_s=0.05, now=1.0):
         rid = f"learn-{i}"
         s.schedule(req(rid, 100), now=0.0)
         s.on_prefill_finished("c0", rid, now=now, actual_seconds=0.1,
-                              actual_gave_way_s=gave_way_s, actual_thread_wait_s=thread_wait_s)
+                              actual_gave_way_s=gave_way_s)
 
 
 def test_the_share_a_decoding_node_gives_its_prefills_is_learned_from_their_replies():
-    """Modelled 0.8; measured 0.1 / (0.1 + 0.1) = 0.5 (the 0.05 s wait for
-    the thread does not grow with a prefill's length and is left out): each
-    reply adds the residual log(0.8 / 0.5), and with min_samples of them the
-    node's share is 0.8 / 1.6 = 0.5: 100 tokens (0.1 s of work) take 0.2 s."""
+    """Modelled 0.8; measured 0.1 / (0.1 + 0.1) = 0.5: each reply adds the
+    residual log(0.8 / 0.5), and with min_samples of them the node's share
+    is 0.8 / 1.6 = 0.5: 100 tokens (0.1 s of work) take 0.2 s."""
     s = sched()
     s.schedule(req("a", 100), now=0.0)    # "a" decodes on c0 from here on
     learn_share(s, s.config.residual_min_samples)

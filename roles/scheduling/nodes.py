@@ -132,9 +132,8 @@ class NodeBookings(YieldingPrefill):
         share, and where that is below 1 (a colocated node that is decoding)
         corrected by the median share residual of the node's prefills at
         ``now`` (``share_residuals``: log(modelled / measured share), where
-        a prefill's measured share is its compute over its compute, the
-        decode steps it gave way to and its wait for the thread).  The model
-        alone when ``now`` is None."""
+        a prefill's measured share is its compute over its compute and the
+        decode steps it gave way to).  The model alone when ``now`` is None."""
         share = self.modelled_prefill_share(node)
         if share >= 1.0 or now is None:
             return share

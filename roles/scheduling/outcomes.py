@@ -60,8 +60,7 @@ class OutcomeLearning(DecodePricing):
                             actual_batched_ahead_s: float = 0.0,
                             actual_batched_behind_s: float | None = None,
                             actual_ttft_s: float | None = None,
-                            actual_gave_way_s: float | None = None,
-                            actual_thread_wait_s: float = 0.0) -> None:
+                            actual_gave_way_s: float | None = None) -> None:
         """Prefill done (first token out): refit, and record the TTFT
         residual (measured minus the cost model's TTFT).
 
@@ -83,11 +82,13 @@ class OutcomeLearning(DecodePricing):
         in the pass (0: none; None: not measured, nothing learned): what
         batch_wait_s is fitted on.
 
-        `actual_gave_way_s`, `actual_thread_wait_s`: the decode steps a
-        colocated node ran inside the prefill and its wait for the compute
-        thread (None: not measured).  Booked while the node decoded, the
-        prefill's measured share of the thread (its compute over the three)
-        teaches the share residuals (prefill_share).
+        `actual_gave_way_s`: the decode steps a colocated node ran inside
+        the prefill (None: not measured).  Booked while the node decoded,
+        the prefill's measured share of the thread (its compute over its
+        compute and those steps) teaches the share residuals (prefill_share).
+        Its wait for the step on the thread when it began is not part of it:
+        that does not grow with the prefill's length (the TTFT residual
+        takes it).
 
         `actual_seconds <= 0` means "no measurement" (cancelled or failed
         prefill): the booking is released but nothing is learned from it.
@@ -141,8 +142,6 @@ class OutcomeLearning(DecodePricing):
         if actual_batched_behind_s is not None and node in self.prefill:
             self._learn_batch_wait(node, inf.decision.t_queue, actual_batched_behind_s)
         if actual_gave_way_s is not None and inf.modelled_share < 1.0:
-            # The steps run inside it stretch it in proportion to its length;
-            # its wait for the step on the thread when it began does not.
             held = actual_seconds + max(0.0, actual_gave_way_s)
             residual = log_ratio(inf.modelled_share, actual_seconds / held)
             if residual is not None:

@@ -82,10 +82,10 @@ class PrefillJob:
         # The compute thread's CPU clock when this job's compute began
         # (WorkerNode.compute_cpu_s); None until then.
         self.cpu_at_start: float | None = None
-        # Seconds the compute thread spent on this job's chunks; on the
+        # Seconds the compute thread spent on this job's chunks, and on the
         # decode steps it gave way to inside them; and from each chunk's
-        # submission to its result back on the event loop (all three and the
-        # waits for the thread and the loop).
+        # submission to its result back on the event loop: those two plus the
+        # chunks' waits for the thread and for the loop.
         self.chunk_compute_s = 0.0
         self.chunk_gave_way_s = 0.0
         self.chunk_wall_s = 0.0

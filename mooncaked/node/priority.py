@@ -12,6 +12,7 @@ library only: ``process_setup`` imports it before the node's own imports.
 from __future__ import annotations
 
 import os
+import threading
 
 
 def _own_session() -> bool:
@@ -57,17 +58,26 @@ def raised_priority(nice: int) -> tuple[bool, bool]:
     return threads, group
 
 
-def idle_priority(all_threads: bool = False) -> bool:
+def idle_priority(all_threads: bool = False, keep_caller: bool = False) -> bool:
     """SCHED_IDLE, and nice 19 for this process's autogroup when the
     process leads its own session.  Returns whether the autogroup was reniced.
 
     The policy is a thread's own (``sched_setscheduler(0)`` sets the calling
     thread's), inherited by the threads it starts later: ``all_threads``
     sets it on every thread the process already has too (a node that drops
-    to idle priority once started: its compute and I/O threads exist)."""
+    to idle priority once started: its compute and I/O threads exist).
+    ``keep_caller`` leaves the calling thread's policy as it is: a node's
+    event loop, whose heartbeats and calls take a few milliseconds of CPU
+    but must not wait behind a busy core's every other task (a SCHED_IDLE
+    thread never preempts one on waking and gets about 0.3% of a busy
+    core: heartbeats a second late, and the conductor counts the node
+    dead).  The autogroup's nice 19 still keeps the whole process's share
+    of a busy core small."""
     tids = [0]
     if all_threads:
         tids = [int(tid) for tid in os.listdir("/proc/self/task")]
+    if keep_caller:
+        tids = [tid for tid in tids if tid not in (0, threading.get_native_id())]
     for tid in tids:
         try:
             os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))

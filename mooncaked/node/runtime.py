@@ -95,9 +95,10 @@ async def serve(config: NodeConfig, setup_role: RoleSetup) -> int:
     stalls.start()
     ctx.status_providers["loop"] = stalls.status
     if config.node.idle_after_start:
-        group = "autogroup nice 19" if idle_priority(all_threads=True) else \
+        group = "autogroup nice 19" if idle_priority(all_threads=True, keep_caller=True) else \
             "autogroup left alone: not a session leader, or no autogroups"
-        log.info("start-up done: idle priority from now on (SCHED_IDLE, %s)", group)
+        log.info("start-up done: idle priority from now on (SCHED_IDLE but the event loop, %s)",
+                 group)
     if config.node.role == "conductor" and config.conductor.engines \
             and config.conductor.cpu_nice != 0:
         _raise_priority(config.conductor.cpu_nice)

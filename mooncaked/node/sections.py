@@ -42,10 +42,13 @@ class NodeSection:
     shutdown_timeout_s: float = 10.0
     # Log level: debug, info, warning or error.
     log_level: str = "info"
-    # Drop every thread of this process to SCHED_IDLE (and its autogroup to
-    # nice 19 when it leads its own session, as `up` starts nodes; never the
-    # session of the shell it was started from) once start-up is done: a node
-    # borrowing cores other nodes have first call on (`up --borrow`).
+    # Drop every thread of this process but its event loop to SCHED_IDLE (and
+    # its autogroup to nice 19 when it leads its own session, as `up` starts
+    # nodes; never the session of the shell it was started from) once
+    # start-up is done: a node borrowing cores other nodes have first call on
+    # (`up --borrow`).  The loop (heartbeats, calls, transfers: milliseconds
+    # of CPU) keeps its policy so that a busy core cannot make the node's
+    # heartbeats late enough to count it dead.
     # Start-up itself (imports, weights, registration) runs at normal
     # priority: at idle priority it got no CPU beside any other busy process
     # and `up` gave up on it.

@@ -40,6 +40,7 @@ from roles.conductor.cluster import ClusterView
 from roles.conductor.dispatch import PREFILL_REPLY_ALLOWANCE_S, Dispatcher
 from roles.conductor.metrics import ConductorMetrics
 from roles.conductor.openai_types import Scheduled, Token
+from roles.scheduling.state import ScheduleRequest
 
 BLOCK = 16
 PAGES = 64          # each node's announced page budget
@@ -370,6 +371,31 @@ async def test_the_prefill_node_is_sent_the_prediction_it_must_keep(conductor_fo
                                            arrival_s=time.monotonic() - 0.3), []) is None
     assert c.dispatcher.traces["req-b"].predicted_ttft_s < 0.3
     assert c.prefill.received[-1].budget.reply_within_s == 0.0
+
+
+async def test_the_trace_records_what_the_residual_model_read(conductor_for):
+    """The cost model's TTFT before the residual, the load level, the
+    prior flag and the decision's time are in the trace: with ttft_s they
+    let the residual model be replayed offline.  Before any sample the
+    residual is 0, so the model's TTFT is the prediction; a second request
+    scheduled while the first is still in flight reads level 1."""
+    c = await conductor_for()
+    t0 = time.monotonic()
+    assert await run(c.dispatcher.generate("req-a", PROMPT, sampling(max_tokens=2)), []) is None
+    trace = c.dispatcher.traces["req-a"]
+    assert trace.predicted_model_ttft_s > 0
+    assert trace.predicted_model_ttft_s == pytest.approx(trace.predicted_ttft_s)
+    assert trace.load_level == 0
+    assert t0 <= trace.scheduled_at_s <= time.monotonic()
+    assert trace.priced_by_prior is True   # the built-in prior, refitted by nothing yet
+    summary = trace.summary()
+    assert {"predicted_model_ttft_s", "load_level", "priced_by_prior",
+            "scheduled_at_s"} <= set(summary)
+    # Held in flight (its decode not yet finished): the next one reads level 1.
+    held = c.sched.schedule(ScheduleRequest("held", (1,), 16, 16, 2), time.monotonic())
+    assert held.request_id == "held"
+    assert await run(c.dispatcher.generate("req-b", PROMPT, sampling(max_tokens=2)), []) is None
+    assert c.dispatcher.traces["req-b"].load_level == 1
 
 
 def test_the_openai_backend_hands_the_requests_arrival_to_the_dispatcher():

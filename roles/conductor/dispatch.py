@@ -92,6 +92,15 @@ class RequestTrace:
     # The predicted TTFT's parts (the rest of it is the median residual).
     predicted_queue_s: float = 0.0
     predicted_prefill_s: float = 0.0
+    # What the residual model saw of the decision: the cost model's TTFT
+    # before the residual, the load level it was read at, whether it was
+    # priced by an unfitted prior (then its residual is not learned), and
+    # when it was made (the conductor's monotonic clock, seconds).  With
+    # ttft_s these let a replay of the residual model run offline.
+    predicted_model_ttft_s: float = 0.0
+    load_level: int = 0
+    priced_by_prior: bool = False
+    scheduled_at_s: float = 0.0
     schedule_s: float = 0.0
     reserve_s: float = 0.0
     prefill_queue_s: float = 0.0
@@ -225,6 +234,12 @@ class Dispatcher:
         trace.policy, trace.predicted_ttft_s = decision.policy, decision.predicted_ttft_s
         trace.predicted_tbt_s = decision.predicted_tbt_s
         trace.predicted_queue_s, trace.predicted_prefill_s = decision.t_queue, decision.t_prefill
+        inflight = self.cluster.scheduler.inflight.get(decision.request_id)
+        if inflight is not None:
+            trace.predicted_model_ttft_s = inflight.ttft_model_s
+            trace.load_level = inflight.load_level
+            trace.priced_by_prior = inflight.priced_by_prior
+            trace.scheduled_at_s = inflight.scheduled_at
         source = self.cluster.registry.get(decision.transfer.source) if decision.transfer else None
         trace.transfer_planned_from = source.node_id if source else None
         return source

@@ -355,9 +355,9 @@ def register(app: typer.Typer) -> None:
         borrow: Optional[bool] = typer.Option(
             None, "--borrow/--no-borrow",
             help="With --placement auto (the default): one more prefill node on the decode CPUs "
-                 "at idle priority (its compute at SCHED_IDLE, its autogroup at nice 19, from the end "
-                 "of its start-up on, so a busy core cannot keep it from starting), computing in the gaps "
-                 "between decode steps; the kernel preempts it whenever decode or the conductor "
+                 "at idle priority (its compute at SCHED_IDLE, its autogroup at nice 19, from "
+                 "the end of its start-up on, so a busy core cannot keep it from starting), "
+                 "computing in the gaps between decode steps; the kernel preempts it whenever decode or the conductor "
                  "wants the core, so token spacing does not grow. The conductor fits each "
                  "prefill node's speed on its own prefills and gives the borrower only requests "
                  "no other prefill node can serve within the TTFT SLO (its speed hangs on decode "

@@ -157,9 +157,10 @@ def spawn(name: str, role: str, port: int, args: list[str], log_path: Path,
           cpus: frozenset[int] | None = None, idle_priority: bool = False) -> Child:
     """Start ``mooncaked <args>`` with its output appended to ``log_path``,
     pinned to ``cpus`` when given; with ``idle_priority`` the node drops
-    all threads but its event loop to SCHED_IDLE once its start-up is done (``node.idle_after_start``):
-    started at idle priority beside a busy process, a borrower got no CPU
-    to import torch and `up` timed out waiting for it."""
+    every thread but its event loop to SCHED_IDLE once its start-up is done
+    (``node.idle_after_start``): started at idle priority beside a busy
+    process, a borrower got no CPU to import torch and `up` timed out
+    waiting for it."""
 
     # Oversubscribed OpenMP threads that spin while waiting steal the cores
     # the other nodes compute on: make idle ones sleep instead.

@@ -66,13 +66,14 @@ def idle_priority(all_threads: bool = False, keep_caller: bool = False) -> bool:
     thread's), inherited by the threads it starts later: ``all_threads``
     sets it on every thread the process already has too (a node that drops
     to idle priority once started: its compute and I/O threads exist).
-    ``keep_caller`` leaves the calling thread's policy as it is: a node's
-    event loop, whose heartbeats and calls take a few milliseconds of CPU
-    but must not wait behind a busy core's every other task (a SCHED_IDLE
-    thread never preempts one on waking and gets about 0.3% of a busy
-    core: heartbeats a second late, and the conductor counts the node
-    dead).  The autogroup's nice 19 still keeps the whole process's share
-    of a busy core small."""
+    ``keep_caller`` leaves the calling thread's policy as it is (and so
+    that of the threads it starts later): a node's event loop, whose
+    heartbeats and calls take milliseconds of CPU but must not wait behind
+    every other task of a busy core (a SCHED_IDLE thread never preempts
+    one on waking and weighs 3 against a nice-0 task's 1024: heartbeats
+    late enough for the conductor to count the node dead).  The
+    autogroup's nice 19 still keeps the whole process's share of a busy
+    core small."""
     tids = [0]
     if all_threads:
         tids = [int(tid) for tid in os.listdir("/proc/self/task")]

@@ -616,6 +616,11 @@ async def test_a_predicted_ttft_miss_is_429_with_retry_after(conductor_for, tmp_
     # ... and the limit it exceeded: the SLO (no residuals learned yet).
     assert "over the admit limit 7s" in error.message, error.message
     assert [r.request_id for r in c.decode.reserves] == ["req-a"]   # no node saw req-b
+    # The request log keeps it, with why it was refused.
+    refused = c.dispatcher.traces["req-b"].summary()
+    assert refused["status"] == "rejected ttft_slo"
+    assert refused["predicted_ttft_s"] == pytest.approx(predicted, abs=0.01)
+    assert refused["admit_limit_s"] == 7.0 and refused["ttft_s"] == 0.0
     assert set(c.sched.inflight) == {"req-a"} and c.sched.rejections == {"ttft_slo": 1}
 
     assert await run(first, []) is None
@@ -631,6 +636,9 @@ async def test_a_predicted_tbt_miss_is_429(conductor_for):
     assert error is not None and error.status == 429 and error.code == "tbt_slo"
     assert error.headers == {"Retry-After": "1"}
     assert "over the admit limit 1ms" in error.message, error.message     # the SLO
+    refused = c.dispatcher.traces["req-tbt"]
+    assert refused.status == "rejected tbt_slo" and refused.admit_limit_s == 0.001
+    assert refused.predicted_tbt_s > 0.001
     assert c.decode.reserves == [] and c.prefill.received == []
     c.assert_capacity_returned()
 
@@ -879,6 +887,10 @@ async def test_a_draining_decode_node_is_sent_no_new_request(conductor_for):
     error = await run(c.dispatcher.generate("req-d1", PROMPT, sampling()), [])
     assert error is not None and error.status == 503 and error.code == "no_decode_capacity"
     assert c.decode.reserves == []
+    # Logged with finite figures (no decode node: its TBT and limit are left at 0).
+    refused = c.dispatcher.traces["req-d1"]
+    assert refused.status == "rejected no_decode_capacity"
+    assert refused.predicted_ttft_s > 0 and refused.predicted_tbt_s == refused.admit_limit_s == 0
     registry.heartbeat("decode-0", {"draining": False}, time.monotonic())
     assert await run(c.dispatcher.generate("req-d2", PROMPT, sampling()), []) is None
     c.assert_capacity_returned()

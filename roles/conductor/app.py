@@ -1,7 +1,7 @@
 """Conductor wiring: membership, cluster view + scheduler, dispatch, APIs, and
 with ``[etcd]`` leader election and standby forwarding (roles.conductor.failover).
 
-GET  /admin/requests         recent requests with their timing breakdown
+GET  /admin/requests         recent requests (refused ones too) with their timing breakdown
 POST /admin/cache/match      {"prompt": str | [ids]} or {"messages": [...]}: cached prefix
                              tokens per prefill node, from the global index
 POST /admin/cache/replicate  {"prompt": ..., "replicas": n} (bearer admin_token): make n

@@ -19,6 +19,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, TypeVar
@@ -98,6 +99,9 @@ class RequestTrace:
     # when it was made (the conductor's monotonic clock, seconds).  With
     # ttft_s these let a replay of the residual model run offline.
     predicted_model_ttft_s: float = 0.0
+    # A refused request ("rejected <reason>"): the admit limit its
+    # prediction exceeded (TTFT or TBT, seconds; 0 when not refused).
+    admit_limit_s: float = 0.0
     load_level: int = 0
     priced_by_prior: bool = False
     scheduled_at_s: float = 0.0
@@ -340,6 +344,13 @@ class Dispatcher:
             message = decision.message()
             log.info("%s %d %s (%d prompt tokens, max_tokens %d)", request_id, status, message,
                      len(token_ids), sampling.max_tokens)
+            # Kept with the served ones: /admin/requests shows why it was refused.
+            trace.status = f"rejected {decision.reason}"
+            # (A figure of a missing node is infinite: left at 0, as JSON has no inf.)
+            trace.predicted_ttft_s, trace.predicted_tbt_s, trace.admit_limit_s = (
+                v if math.isfinite(v) else 0.0
+                for v in (decision.predicted_ttft_s, decision.predicted_tbt_s, decision.limit_s))
+            self._remember(trace)
             raise ApiError(status, message, code=decision.reason,
                            headers={"Retry-After": str(retry)})
         prefill, stage_urls = cluster.prefill_target(decision.prefill_node)

@@ -14,6 +14,11 @@ right there
   token by a time (``PrefillRequest.budget``), and the prefill's remaining
   compute plus a step still ends before it.  Decode steps spend the slack
   of a prediction, not the time it promised;
+- at once, too, for a step that decodes some reply's second token (the
+  first came from its prefill, ``first_decode``): a reply is judged on
+  the mean of its token intervals, and a short reply's mean is mostly its
+  first interval, while the prefill loses one step per reply that starts
+  decoding on this node;
 - otherwise once the prefill has held the thread ``ratio`` times the
   latest step's time since the last step ended: a token then waits for
   about ``1 + ratio`` steps, and a late prefill keeps ``ratio / (1 +
@@ -44,6 +49,8 @@ class _Step:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     claimed: bool = False
+    # It decodes the token after some reply's first (which its prefill made).
+    first_decode: bool = False
 
 
 class StepQueue:
@@ -66,12 +73,14 @@ class StepQueue:
         self.between_layers = 0
         self.between_layers_s = 0.0
 
-    def run(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    def run(self, fn: Callable[..., Any], *args: Any,
+            first_decode: bool = False) -> asyncio.Future:
         """fn(*args) on the compute thread: in pool order, or earlier at a
         prefill's yield point (``give_way``).  Queued when called (on the
-        event loop); the future has its result."""
+        event loop); the future has its result.  ``first_decode``: the step
+        decodes some reply's second token (see the module)."""
         loop = asyncio.get_running_loop()
-        step = _Step(fn, args, loop, loop.create_future())
+        step = _Step(fn, args, loop, loop.create_future(), first_decode=first_decode)
         with self._lock:
             self._waiting.append(step)
         self.pool.submit(self._run, step)
@@ -80,13 +89,15 @@ class StepQueue:
     def give_way(self, on_time: Callable[[float], bool] | None = None) -> None:
         """Called by a prefill at a yield point, on the compute thread: run
         the waiting steps if ``on_time(step_s)`` (the prefill, taking one
-        more step of ``step_s`` seconds, still meets its predicted time) or
-        if it has had its share since the last one (immediately when none
-        ran for a while).  ``ratio`` 0 turns giving way off."""
+        more step of ``step_s`` seconds, still meets its predicted time), if
+        one of them decodes a reply's second token, or if the prefill has had
+        its share since the last one (immediately when none ran for a
+        while).  ``ratio`` 0 turns giving way off."""
         if not self._waiting or self.ratio <= 0:
             return
         if self.clock() - self._last_end < self.ratio * self.last_step_s \
-                and not (on_time is not None and on_time(self.last_step_s)):
+                and not (on_time is not None and on_time(self.last_step_s)) \
+                and not any(step.first_decode for step in self._waiting):
             return
         while self._waiting:
             with self._lock:

@@ -278,11 +278,13 @@ class WorkerNode:
         """Run model work on the compute thread."""
         return await asyncio.get_running_loop().run_in_executor(self.compute_pool, fn, *args)
 
-    def compute_step(self, fn: Callable[..., T], *args: Any) -> Awaitable[T]:
+    def compute_step(self, fn: Callable[..., T], *args: Any,
+                     first_decode: bool = False) -> Awaitable[T]:
         """Run a decode step on the compute thread: in order, or earlier
-        at a yield point of a prefill that has had its share (``give_way``).
-        Queued when called."""
-        return self.steps.run(fn, *args)
+        at a yield point of a prefill that has had its share (``give_way``;
+        at once when ``first_decode``: it decodes some reply's second
+        token).  Queued when called."""
+        return self.steps.run(fn, *args, first_decode=first_decode)
 
     def give_way(self, on_time: Callable[[float], bool] | None = None) -> None:
         """A prefill at a yield point, on the compute thread: run the

@@ -94,6 +94,38 @@ async def test_a_prefill_on_time_gives_way_at_once_and_a_late_one_keeps_its_shar
     assert len(asked) == 2
 
 
+async def test_a_step_decoding_a_replys_second_token_runs_at_once_beside_a_late_prefill():
+    """A late prefill (on_time False) that has not had its share gives way
+    at once to a step decoding some reply's second token; a plain step
+    after it waits for the share again (2 x 10 ms from its end)."""
+    clock, pool, ran, q = busy_queue()
+    first = q.run(timed_step(clock, 0.010, ran, "s1"))
+    q.give_way()
+    assert await first == "s1"                 # ended at 100.010, took 10 ms
+    late = lambda step_s: False                # noqa: E731
+    plain = q.run(timed_step(clock, 0.010, ran, "plain"))
+    clock.t = 100.015
+    q.give_way(late)
+    assert ran == ["s1"] and not plain.done()  # 5 ms of its 20 ms share
+    # A reply joins: the waiting steps run in order at once, its own too.
+    joined = q.run(timed_step(clock, 0.010, ran, "joined"), first_decode=True)
+    q.give_way(late)
+    assert ran == ["s1", "plain", "joined"] and await joined == "joined"
+    # They ended at 100.035: the next plain step waits for the share again.
+    after = q.run(timed_step(clock, 0.010, ran, "plain-2"))
+    clock.t = 100.050
+    q.give_way(late)
+    assert not after.done()                    # 15 of its 20 ms share
+    clock.t = 100.0551
+    q.give_way(late)
+    assert await after == "plain-2"
+    # Ratio 0 still turns giving way off, for every step.
+    clock, pool, ran, off = busy_queue(ratio=0.0)
+    step = off.run(timed_step(clock, 0.010, ran, "x"), first_decode=True)
+    off.give_way(late)
+    assert ran == [] and not step.done()
+
+
 async def test_with_a_ratio_of_zero_a_step_waits_for_the_chunk():
     clock, pool, ran, q = busy_queue(ratio=0.0)
     step = q.run(timed_step(clock, 0.010, ran, "s1"))

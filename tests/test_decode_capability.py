@@ -61,7 +61,8 @@ class DecodeWorker:
     async def compute(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
-    compute_step = compute
+    async def compute_step(self, fn, *args, first_decode=False):
+        return await self.compute(fn, *args)
 
 
 @pytest.fixture

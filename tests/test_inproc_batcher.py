@@ -45,6 +45,8 @@ class TinyWorker:
         self.batches: list[list[int]] = []
         # Per step, the capacity of each sequence's mirror (None: gathered).
         self.mirrors: list[list[int | None]] = []
+        # Per step, whether it decodes some sequence's second token.
+        self.first_decodes: list[bool] = []
 
     def record(self, seqs) -> None:
         self.batches.append([seq.block_table[0] for seq in seqs])
@@ -55,7 +57,8 @@ class TinyWorker:
             self.record(args[0])
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
-    async def compute_step(self, fn, *args):
+    async def compute_step(self, fn, *args, first_decode=False):
+        self.first_decodes.append(first_decode)
         return await self.compute(fn, *args)
 
 
@@ -221,6 +224,9 @@ async def test_sequences_share_steps_and_a_late_one_joins_the_running_batch(make
     joined = next(i for i, step in enumerate(worker.batches) if page["c"] in step)
     assert joined >= 3 and set(worker.batches[joined]) == set(page.values())
     assert len(worker.batches) < sum(n - 1 for _, n in reqs.values())
+    # The steps that decode a sequence's second token say so (a prefill on
+    # the same thread gives way to them at once): the first and c's first.
+    assert [i for i, first in enumerate(worker.first_decodes) if first] == [0, joined]
 
 
 async def test_max_batch_bounds_every_step_and_the_rest_waits_its_turn(make_batcher):

@@ -215,7 +215,8 @@ class PrefillSection:
     interleave_tbt_share: float = 0.5
     # While decode steps wait on the compute thread, a prefill chunk gives
     # way to them at its next yield point (a few ms apart): at once while
-    # the prefill is on time for the conductor's predicted TTFT, else once
+    # the prefill is on time for the conductor's predicted TTFT or when a
+    # step decodes some reply's second token (its first interval), else once
     # it has held the thread this many decode steps' time (the node's
     # latest step) since the last step ran: a token then waits for about
     # (1 + ratio) steps, not for a whole chunk, and a late prefill keeps

@@ -277,7 +277,10 @@ class DecodeBatcher:
                 # step's mirrors are allocated.
                 logits = await self.worker.compute_step(
                     self.worker.runner.decode_step,
-                    [DecodeSeq(s.tokens[-1], s.position, s.pages, s.mirror) for s in batch])
+                    [DecodeSeq(s.tokens[-1], s.position, s.pages, s.mirror) for s in batch],
+                    # A sequence holding only its prefill's token: this step
+                    # makes its first interval (compute_sharing.py).
+                    first_decode=any(len(s.tokens) == 1 for s in batch))
             finally:
                 self._stepping = frozenset()
                 self._free_fenced()

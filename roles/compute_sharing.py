@@ -65,6 +65,10 @@ class StepQueue:
         self.clock = clock
         self._waiting: deque[_Step] = deque()
         self._lock = threading.Lock()
+        # How many waiting steps are first decodes: kept under the lock with
+        # _waiting, read without it (an int, where iterating the deque while
+        # the loop appends to it would raise).
+        self._first_decodes_waiting = 0
         # The latest step's own seconds, and when it ended (perf_counter).
         self.last_step_s = 0.0
         self._last_end = 0.0
@@ -83,6 +87,7 @@ class StepQueue:
         step = _Step(fn, args, loop, loop.create_future(), first_decode=first_decode)
         with self._lock:
             self._waiting.append(step)
+            self._first_decodes_waiting += first_decode
         self.pool.submit(self._run, step)
         return step.future
 
@@ -97,7 +102,7 @@ class StepQueue:
             return
         if self.clock() - self._last_end < self.ratio * self.last_step_s \
                 and not (on_time is not None and on_time(self.last_step_s)) \
-                and not any(step.first_decode for step in self._waiting):
+                and not self._first_decodes_waiting:
             return
         while self._waiting:
             with self._lock:
@@ -116,6 +121,7 @@ class StepQueue:
             step.claimed = True
             try:
                 self._waiting.remove(step)
+                self._first_decodes_waiting -= step.first_decode
             except ValueError:
                 pass
         t0 = self.clock()

@@ -119,6 +119,7 @@ async def test_a_step_decoding_a_replys_second_token_runs_at_once_beside_a_late_
     clock.t = 100.0551
     q.give_way(late)
     assert await after == "plain-2"
+    assert q._first_decodes_waiting == 0       # counted while waiting only
     # Ratio 0 still turns giving way off, for every step.
     clock, pool, ran, off = busy_queue(ratio=0.0)
     step = off.run(timed_step(clock, 0.010, ran, "x"), first_decode=True)

@@ -99,12 +99,12 @@ class RequestTrace:
     # when it was made (the conductor's monotonic clock, seconds).  With
     # ttft_s these let a replay of the residual model run offline.
     predicted_model_ttft_s: float = 0.0
-    # A refused request ("rejected <reason>"): the admit limit its
-    # prediction exceeded (TTFT or TBT, seconds; 0 when not refused).
-    admit_limit_s: float = 0.0
     load_level: int = 0
     priced_by_prior: bool = False
     scheduled_at_s: float = 0.0
+    # A refused request ("rejected <reason>"): the admit limit its
+    # prediction exceeded (TTFT or TBT, seconds; 0 when not refused).
+    admit_limit_s: float = 0.0
     schedule_s: float = 0.0
     reserve_s: float = 0.0
     prefill_queue_s: float = 0.0

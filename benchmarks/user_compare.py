@@ -57,7 +57,10 @@ so they share no block with it), then the measured replay: ``aiperf profile
 --endpoint-type completions --streaming --custom-dataset-type
 mooncake_trace --fixed-schedule --use-server-token-count --goodput
 "time_to_first_token:1000 inter_token_latency:150"``.  Servers alternate
-within a rate.  Around the measured replay the script reads each server's
+within a rate.  ``--repeat N`` runs each (trace, rate, server) N times, the
+servers alternating within each round, and judges the checks on each
+figure's median over the runs (one run on a shared 2-core machine decides
+a close check by chance).  Around the measured replay the script reads each server's
 own prefix-cache counters from ``/metrics`` (vLLM: ``vllm:prefix_cache_
 {queries,hits}_total``; mooncaked's conductor: ``mooncaked:prefix_cache_
 {queries,hits}_total``, tokens), and after it mooncaked's per-request traces
@@ -89,6 +92,7 @@ import math
 import os
 import re
 import shutil
+import statistics
 import sys
 import time
 import urllib.request
@@ -450,8 +454,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cached = r.get("cached_prompt_pct")
+        server = r["server"] if r.get("runs", 1) <= 1 else f"{r['server']}, run {r['run']}"
         out.append(
-            f"| {r['trace']} | {r['rate_x']:g}x | {r['server']} | {r['offered_rps']:.2f} "
+            f"| {r['trace']} | {r['rate_x']:g}x | {server} | {r['offered_rps']:.2f} "
             f"| {r['ok']}/{r['sent']} | {r['rejected_429']} | {f(r['goodput_rps'], '.2f')} "
             f"| {f(r['in_slo_of_accepted'], '.0%')} | {f(r['ttft_p50_ms'], '.0f')} "
             f"| {f(r['itl_p90_ms'], '.1f')} | {f(r['prefix_hit_ratio'], '.1%')} "
@@ -461,8 +466,54 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+# The figures the checks read; with several runs of a (trace, rate, server)
+# each is judged by its median over them.
+JUDGED = ("goodput_rps", "itl_p90_ms", "in_slo_of_accepted", "ttft_mae_of_p50")
+
+
+def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (trace, rate, server), in first-run order: the first
+    run's row with each ``JUDGED`` figure the median over its runs (None
+    where no run had it), ``rejected_429`` summed, ``runs`` counted, and
+    each judged figure's (min, max) under ``KEY_range``."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["trace"], r["rate_x"], r["server"]), []).append(r)
+    out = []
+    for runs in groups.values():
+        row = {**runs[0], "runs": len(runs),
+               "rejected_429": sum(r.get("rejected_429") or 0 for r in runs)}
+        for key in JUDGED:
+            values = [r[key] for r in runs if r.get(key) is not None]
+            row[key] = statistics.median(values) if values else None
+            row[f"{key}_range"] = (min(values), max(values)) if values else None
+        out.append(row)
+    return out
+
+
+def spread_markdown(summary: list[dict[str, Any]]) -> str:
+    """Median [min-max] over the runs of each (trace, rate, server)."""
+    def f(row: dict[str, Any], key: str, spec: str, scale: float = 1.0) -> str:
+        span = row.get(f"{key}_range")
+        if row.get(key) is None or span is None:
+            return "-"
+        return (f"{format(row[key] * scale, spec)} [{format(span[0] * scale, spec)}-"
+                f"{format(span[1] * scale, spec)}]")
+
+    out = ["| trace | rate | server | runs | goodput req/s | 429 (all runs) | ITL p90 ms "
+           "| in SLO of accepted % | TTFT MAE / p50 % |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in summary:
+        out.append(f"| {r['trace']} | {r['rate_x']:g}x | {r['server']} | {r['runs']} "
+                   f"| {f(r, 'goodput_rps', '.2f')} | {r['rejected_429']} "
+                   f"| {f(r, 'itl_p90_ms', '.1f')} | {f(r, 'in_slo_of_accepted', '.0f', 100)} "
+                   f"| {f(r, 'ttft_mae_of_p50', '.0f', 100)} |")
+    return "\n".join(out)
+
+
 def bars(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The checks against vLLM per (trace, rate) where mooncaked and vLLM both ran:
+    """The checks against vLLM per (trace, rate) where mooncaked and vLLM both ran
+    (on ``medians`` of the rows: with several runs, their medians):
     mooncaked's goodput >= vLLM's and its ITL p90 <= vLLM's; >= 90% of the
     requests it accepted within both SLOs; its TTFT MAE <= 20% of its p50;
     and, where ``mooncaked_defaults`` ran at 2x the trace's rate or less,
@@ -470,6 +521,7 @@ def bars(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     def cmp(a: Any, b: Any, op) -> bool | None:
         return None if a is None or b is None else op(a, b)
 
+    rows = medians(rows)
     out = []
     for trace, rate in dict.fromkeys((r["trace"], r["rate_x"]) for r in rows):
         by = {r["server"]: r for r in rows if r["trace"] == trace and r["rate_x"] == rate}
@@ -523,22 +575,29 @@ def write_results(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -
     out.mkdir(parents=True, exist_ok=True)
     checks = bars(rows)
     table = markdown(rows)
+    runs = max((r.get("runs", 1) for r in rows), default=1)
+    if runs > 1:
+        table += (f"\n\nMedian [min-max] of {runs} runs:\n\n" + spread_markdown(medians(rows)))
     if checks:
-        table += "\n\nChecks, mooncaked against vLLM:\n\n" + bars_markdown(checks)
+        table += ("\n\nChecks, mooncaked against vLLM" +
+                  (f" (medians of {runs} runs)" if runs > 1 else "") + ":\n\n"
+                  + bars_markdown(checks))
     (out / "results.json").write_text(json.dumps({**meta, "rows": rows, "bars": checks},
                                                  indent=1))
     (out / "results.md").write_text(table + "\n")
     if rows:
-        plot(out / "results.png", rows)
+        plot(out / "results.png", medians(rows))
     return table
 
 
 # ---- the run ------------------------------------------------------------------
 
 def run_one(target: Target, trace: TraceSlice, rate: float, text: BlockText, aiperf: Path,
-            model_dir: Path, repo_id: str, env: dict[str, str], args: argparse.Namespace
-            ) -> dict[str, Any]:
+            model_dir: Path, repo_id: str, env: dict[str, str], args: argparse.Namespace,
+            run: int = 1) -> dict[str, Any]:
     base = args.out / "aiperf" / trace.name / f"{rate:g}x" / target.name
+    if args.repeat > 1:
+        base = base / f"run{run}"
     files = {}
     for part, records in (("warmup", trace.warmup), ("slice", trace.records)):
         if records:
@@ -558,7 +617,9 @@ def run_one(target: Target, trace: TraceSlice, rate: float, text: BlockText, aip
                    timeout_s=span_s + args.request_timeout + 300.0)
         return artifact_dir
 
-    log(f"{trace.name} {rate:g}x {target.name}: starting ({target.description})")
+    log(f"{trace.name} {rate:g}x {target.name}"
+        + (f" run {run}/{args.repeat}" if args.repeat > 1 else "")
+        + f": starting ({target.description})")
     url = target.start()
     try:
         if "warmup" in files:
@@ -576,8 +637,9 @@ def run_one(target: Target, trace: TraceSlice, rate: float, text: BlockText, aip
     finally:
         target.stop()
     export = json.loads((measured / SUMMARY_JSON).read_text())
-    return result_row(trace, rate, target.name, export, before, after, traces,
-                      read_records(measured))
+    row = result_row(trace, rate, target.name, export, before, after, traces,
+                     read_records(measured))
+    return {**row, "run": run, "runs": args.repeat}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -611,6 +673,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="the random checkpoint and vLLM's venv (as vllm_compare)")
     ap.add_argument("--aiperf-venv", type=Path,
                     default=Path.home() / ".cache" / "mooncaked-aiperf" / "venv")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of every (trace, rate, server), servers alternating within "
+                         "each; the checks then read each figure's median over them, and "
+                         "results.md adds each one's median [min-max]")
     ap.add_argument("--out", type=Path, default=Path("/tmp/mooncaked-user-compare"))
     args = ap.parse_args(argv)
     traces = [t.strip() for t in args.traces.split(",") if t.strip()]
@@ -623,8 +689,9 @@ def main(argv: list[str] | None = None) -> int:
         rates = [float(x) for x in args.rates.split(",") if x.strip()]
     except ValueError:
         ap.error("--rates: comma-separated numbers")
-    if not rates or any(not r > 0 for r in rates) or args.max_requests < 2 or args.warmup < 0:
-        ap.error("--rates > 0, --max-requests >= 2, --warmup >= 0")
+    if not rates or any(not r > 0 for r in rates) or args.max_requests < 2 or args.warmup < 0 \
+            or args.repeat < 1:
+        ap.error("--rates > 0, --max-requests >= 2, --warmup >= 0, --repeat >= 1")
 
     from vllm_compare import prepare_checkpoint
 
@@ -662,17 +729,18 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     for s in slices:
         for i, rate in enumerate(rates):
-            order = servers[i % len(servers):] + servers[:i % len(servers)]
-            for name in order:
-                try:
-                    row = run_one(targets[name], s, rate, text, aiperf, model_dir, repo_id,
-                                  env, args)
-                except RuntimeError as exc:
-                    log(f"{s.name} {rate:g}x {name}: failed: {exc}")
-                    continue
-                rows.append(row)
-                log(json.dumps(row))
-                write_results(args.out, rows, meta)   # partial results survive a crash
+            for run in range(1, args.repeat + 1):
+                turn = (i + run - 1) % len(servers)
+                for name in servers[turn:] + servers[:turn]:
+                    try:
+                        row = run_one(targets[name], s, rate, text, aiperf, model_dir, repo_id,
+                                      env, args, run)
+                    except RuntimeError as exc:
+                        log(f"{s.name} {rate:g}x {name}: failed: {exc}")
+                        continue
+                    rows.append(row)
+                    log(json.dumps(row))
+                    write_results(args.out, rows, meta)   # partial results survive a crash
     table = write_results(args.out, rows, meta | {"wall_s": time.monotonic() - started})
     print(table)
     print(MACHINE_NOTE)

@@ -227,3 +227,52 @@ def test_checks_compare_with_vllm_at_each_rate():
     table = user_compare.bars_markdown(checks).splitlines()
     assert table[3] == "| t | 2x | **no** | **no** | **no** | **no** | **no** |"
     assert table[4] == "| t | 4x | yes | yes | yes | - | - |"
+
+
+def test_repeated_runs_are_judged_by_their_medians():
+    """With several runs per (trace, rate, server) the checks read each
+    figure's median: one slow run does not decide them; the spread table
+    gives median [min-max] and the refusals of all runs."""
+    def row(server, run, goodput, itl, mae=0.1, refused=0):
+        return {"trace": "t", "rate_x": 2, "server": server, "run": run, "runs": 3,
+                "goodput_rps": goodput, "itl_p90_ms": itl, "in_slo_of_accepted": 1.0,
+                "ttft_mae_of_p50": mae, "rejected_429": refused}
+
+    rows = [row("mooncaked", 1, 4.0, 10.0, 0.15), row("vllm", 1, 3.9, 12.0, None),
+            row("mooncaked", 2, 2.0, 30.0, 0.40, refused=5), row("vllm", 2, 3.9, 11.0, None),
+            row("mooncaked", 3, 4.1, 11.0, 0.18), row("vllm", 3, 4.0, 13.0, None)]
+    summary = user_compare.medians(rows)
+    assert [(r["server"], r["runs"], r["goodput_rps"], r["itl_p90_ms"], r["rejected_429"])
+            for r in summary] == [("mooncaked", 3, 4.0, 11.0, 5), ("vllm", 3, 3.9, 12.0, 0)]
+    assert summary[0]["ttft_mae_of_p50"] == 0.18 and summary[1]["ttft_mae_of_p50"] is None
+    assert summary[0]["goodput_rps_range"] == (2.0, 4.1)
+    (check,) = user_compare.bars(rows)
+    assert (check["goodput_ge_vllm"], check["itl_p90_le_vllm"], check["prediction_le_20"]) == \
+        (True, True, True)
+    # The single slow run alone fails every one of them.
+    (alone,) = user_compare.bars([rows[2], rows[3]])
+    assert (alone["goodput_ge_vllm"], alone["itl_p90_le_vllm"], alone["prediction_le_20"]) == \
+        (False, False, False)
+    spread = user_compare.spread_markdown(summary).splitlines()
+    assert spread[2] == "| t | 2x | mooncaked | 3 | 4.00 [2.00-4.10] | 5 | 11.0 [10.0-30.0] " \
+                        "| 100 [100-100] | 18 [15-40] |"
+    assert spread[3].endswith("| 12.0 [11.0-13.0] | 100 [100-100] | - |")
+
+
+def test_results_name_each_run_and_say_the_checks_read_medians(tmp_path):
+    rows = []
+    for run, (m, v) in enumerate(((2.0, 2.1), (2.2, 2.0)), start=1):
+        for server, goodput in (("mooncaked", m), ("vllm", v)):
+            rows.append({"trace": "t", "rate_x": 1, "server": server, "run": run, "runs": 2,
+                         "offered_rps": 2.0, "ok": 10, "sent": 10, "rejected_429": 0,
+                         "goodput_rps": goodput, "in_slo_of_accepted": 1.0, "ttft_p50_ms": 40.0,
+                         "itl_p90_ms": 9.0, "prefix_hit_ratio": 0.5, "cached_prompt_pct": 50.0,
+                         "theoretical_hit_ratio": 0.5, "theoretical_hit_ratio_256": 0.5,
+                         "ttft_mae_of_p50": 0.1 if server == "mooncaked" else None,
+                         "client_late_p90_ms": 2.0})
+    table = user_compare.write_results(tmp_path, rows, {})
+    assert "| t | 1x | mooncaked, run 2 |" in table
+    assert "Median [min-max] of 2 runs:" in table
+    assert "Checks, mooncaked against vLLM (medians of 2 runs):" in table
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["bars"][0]["goodput_ge_vllm"] is True    # medians 2.1 against 2.05

@@ -66,7 +66,9 @@ prediction error: the mean |predicted - measured| over the measured replay
 (from the conductor's ``/admin/status`` ``engines.ttft_error`` counters,
 deltas; measured by the conductor from forwarding to the first token) over
 aiperf's TTFT p50.  ``results.md`` also states the checks against the
-other two routers per (trace, rate).  Writes ``results.json``, ``results.md``, ``results.png`` and logs
+other two routers per (trace, rate); ``--repeat N`` runs each (trace, rate,
+router) N times, routers alternating within each round, and judges the
+checks on each figure's median (results.md then adds median [min-max]).  Writes ``results.json``, ``results.md``, ``results.png`` and logs
 under ``--out``.  A benchmark, not a test: figures on a shared 2-core
 machine are relative.
 """
@@ -96,8 +98,9 @@ from mooncaked.local_cluster import free_port  # noqa: E402
 from prompt_text import BlockText  # noqa: E402
 from rate_plots import plot_by_rate  # noqa: E402
 from vllm_compare import stop_session  # noqa: E402
-from user_compare import (TraceSlice, aiperf_lines, checks_markdown, is_trace_file,  # noqa: E402
-                          load_traces, prefix_counters, theoretical_hit_at)
+from user_compare import (Column, TraceSlice, aiperf_lines, checks_markdown,  # noqa: E402
+                          is_trace_file, load_traces, medians, prefix_counters, rounds,
+                          spread_markdown, theoretical_hit_at)
 
 ROUTERS = ("mooncaked", "sglang_cache_aware", "round_robin")
 SGLANG_PIN = "sglang-router==0.3.2"
@@ -222,10 +225,20 @@ def engine_row(trace: str, rate: float, offered_rps: float, theoretical: float, 
     return row
 
 
+# The figures the checks read; with several runs of a (trace, rate, router)
+# each is judged by its median over them.
+JUDGED: list[Column] = [("prefix_hit_ratio", "prefix hits %", ".1f", 100.0),
+                        ("goodput_rps", "goodput req/s", ".2f", 1.0),
+                        ("in_slo_of_accepted", "in SLO of accepted %", ".0f", 100.0),
+                        ("ttft_mae_of_p50", "TTFT MAE / p50 %", ".0f", 100.0)]
+
+
 def bars(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The checks per (trace, rate) where all three routers ran: mooncaked's
-    hit ratio >= cache_aware's and > round-robin's; its goodput >= both; >= 90%
-    of its accepted requests in both SLOs; its TTFT MAE <= 25% of its p50."""
+    """The checks per (trace, rate) where all three routers ran (on their
+    ``medians``: with several runs, the medians): mooncaked's hit ratio >=
+    cache_aware's and > round-robin's; its goodput >= both; >= 90% of its
+    accepted requests in both SLOs; its TTFT MAE <= 25% of its p50."""
+    rows = medians(rows, "router", JUDGED)
     out = []
     keys = list(dict.fromkeys((r["trace"], r["rate_x"]) for r in rows))
     for trace, rate in keys:
@@ -264,8 +277,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         split = r.get("engine_split")
+        router = r["router"] if r.get("runs", 1) <= 1 else f"{r['router']}, run {r['run']}"
         out.append(
-            f"| {r['trace']} | {r['rate_x']:g}x | {r['router']} | {r['offered_rps']:.2f} "
+            f"| {r['trace']} | {r['rate_x']:g}x | {router} | {r['offered_rps']:.2f} "
             f"| {r['ok']}/{r['sent']} | {r['rejected_429']} | {_f(r['goodput_rps'], '.2f')} "
             f"| {_f(r['in_slo_of_accepted'], '.0%')} "
             f"| {_f(r['ttft_p50_ms'], '.0f')} / {_f(r['ttft_p90_ms'], '.0f')} "
@@ -298,14 +312,20 @@ def plot(path: Path, rows: list[dict[str, Any]]) -> None:
 def write_results(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     out.mkdir(parents=True, exist_ok=True)
     checks = bars(rows)
-    table = markdown(rows) + "\n\nChecks, mooncaked against the other two:\n\n" \
-        + bars_markdown(checks)
+    runs = max((r.get("runs", 1) for r in rows), default=1)
+    table = markdown(rows)
+    if runs > 1:
+        table += (f"\n\nMedian [min-max] of {runs} runs:\n\n"
+                  + spread_markdown(medians(rows, "router", JUDGED), "router", JUDGED))
+    table += ("\n\nChecks, mooncaked against the other two"
+              + (f" (medians of {runs} runs)" if runs > 1 else "") + ":\n\n"
+              + bars_markdown(checks))
     (out / "results.json").write_text(json.dumps({**meta, "rows": rows, "bars": checks},
                                                  indent=1))
     (out / "results.md").write_text(table + "\n")
     if rows:
         try:
-            plot(out / "results.png", rows)
+            plot(out / "results.png", medians(rows, "router", JUDGED))
         except ImportError:
             log("matplotlib not installed: no plot")
     return table
@@ -502,16 +522,24 @@ def warm(url: str, prompts: list[tuple[str, int]]) -> int:
     return ok
 
 
+def artifacts(out: Path, trace: str, rate: float, router: str, run: int, runs: int) -> Path:
+    """Where a replay's aiperf files go (run K of several under runK)."""
+    base = out / "aiperf" / trace / f"{rate:g}x" / router
+    return base / f"run{run}" if runs > 1 else base
+
+
 def run_one(router: Target, engines: list[str], trace: TraceSlice, rate: float, text: BlockText,
-            aiperf: Path, repo_id: str, env: dict[str, str], args: argparse.Namespace
-            ) -> dict[str, Any]:
-    base = args.out / "aiperf" / trace.name / f"{rate:g}x" / router.name
+            aiperf: Path, repo_id: str, env: dict[str, str], args: argparse.Namespace,
+            run: int = 1) -> dict[str, Any]:
+    base = artifacts(args.out, trace.name, rate, router.name, run, args.repeat)
     trace_file = write_jsonl(base / "slice.jsonl", aiperf_lines(trace.records, text, rate))
     artifact_dir = base / "slice"
     if artifact_dir.exists():
         shutil.rmtree(artifact_dir)
     reset_prefix_caches(engines)
-    log(f"{trace.name} {rate:g}x {router.name}: starting ({router.description})")
+    log(f"{trace.name} {rate:g}x {router.name}"
+        + (f" run {run}/{args.repeat}" if args.repeat > 1 else "")
+        + f": starting ({router.description})")
     url = router.start()
     try:
         warmed = warm(url, [(text.prompt(r["hash_ids"], r["input_length"]), r["output_length"])
@@ -540,7 +568,7 @@ def run_one(router: Target, engines: list[str], trace: TraceSlice, rate: float, 
                      ttft_error_delta(err_before, err_after, p50))
     row["router_cpu_ms_per_request"] = None if cpu_before is None or cpu_after is None \
         or not summary["sent"] else (cpu_after - cpu_before) * 1000.0 / summary["sent"]
-    return row | breakdown(trace, artifact_dir)
+    return row | breakdown(trace, artifact_dir) | {"run": run, "runs": args.repeat}
 
 
 def breakdown(trace: TraceSlice, artifact_dir: Path) -> dict[str, Any]:
@@ -581,6 +609,10 @@ def main(argv: list[str] | None = None) -> int:
                     default=Path.home() / ".cache" / "mooncaked-aiperf" / "venv")
     ap.add_argument("--sglang-venv", type=Path,
                     default=Path.home() / ".cache" / "mooncaked-sglang" / "venv")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of every (trace, rate, router), routers alternating within "
+                         "each; the checks then read each figure's median over them, and "
+                         "results.md adds each one's median [min-max]")
     ap.add_argument("--out", type=Path, default=Path("/tmp/mooncaked-engine-compare"))
     ap.add_argument("--rescore", action="store_true",
                     help="start nothing: recompute the per-request columns of --out's "
@@ -596,8 +628,9 @@ def main(argv: list[str] | None = None) -> int:
         rates = [float(x) for x in args.rates.split(",") if x.strip()]
     except ValueError:
         ap.error("--rates: comma-separated numbers")
-    if not rates or any(not r > 0 for r in rates) or args.max_requests < 2 or args.warmup < 0:
-        ap.error("--rates > 0, --max-requests >= 2, --warmup >= 0")
+    if not rates or any(not r > 0 for r in rates) or args.max_requests < 2 or args.warmup < 0 \
+            or args.repeat < 1:
+        ap.error("--rates > 0, --max-requests >= 2, --warmup >= 0, --repeat >= 1")
     if args.engine_blocks * ENGINE_BLOCK_TOKENS < args.max_model_len:
         ap.error("--engine-blocks x 128 must hold one --max-model-len request")
 
@@ -622,8 +655,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.rescore:
         saved = json.loads((args.out / "results.json").read_text())
         by_name = {s.name: s for s in slices}
-        rows = [r | breakdown(by_name[r["trace"]], args.out / "aiperf" / r["trace"]
-                              / f"{r['rate_x']:g}x" / r["router"] / "slice")
+        rows = [r | breakdown(by_name[r["trace"]],
+                              artifacts(args.out, r["trace"], r["rate_x"], r["router"],
+                                        r.get("run", 1), r.get("runs", 1)) / "slice")
                 for r in saved.pop("rows")]
         saved.pop("bars", None)
         print(write_results(args.out, rows, saved))
@@ -656,18 +690,16 @@ def main(argv: list[str] | None = None) -> int:
                                         s.records, block_tokens, ENGINE_BLOCK_TOKENS)}
                            for s in slices}}
         for s in slices:
-            for i, rate in enumerate(rates):
-                order = routers[i % len(routers):] + routers[:i % len(routers)]
-                for name in order:
-                    try:
-                        row = run_one(targets[name], engines, s, rate, text, aiperf, repo_id,
-                                      env, args)
-                    except RuntimeError as exc:
-                        log(f"{s.name} {rate:g}x {name}: failed: {exc}")
-                        continue
-                    rows.append(row)
-                    log(json.dumps(row))
-                    write_results(args.out, rows, meta)   # partial results survive a crash
+            for rate, run, name in rounds(rates, args.repeat, routers):
+                try:
+                    row = run_one(targets[name], engines, s, rate, text, aiperf, repo_id, env,
+                                  args, run)
+                except RuntimeError as exc:
+                    log(f"{s.name} {rate:g}x {name}: failed: {exc}")
+                    continue
+                rows.append(row)
+                log(json.dumps(row))
+                write_results(args.out, rows, meta)   # partial results survive a crash
     finally:
         for t in engine_targets:
             t.stop()

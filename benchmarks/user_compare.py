@@ -466,24 +466,41 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-# The figures the checks read; with several runs of a (trace, rate, server)
-# each is judged by its median over them.
-JUDGED = ("goodput_rps", "itl_p90_ms", "in_slo_of_accepted", "ttft_mae_of_p50")
+def rounds(rates: list[float], repeat: int, names: list[str]):
+    """(rate, run, name) in the order a comparison runs them: every name
+    once per run, ``repeat`` runs per rate, the order rotated from run to
+    run and rate to rate so that drift on the machine hits each alike."""
+    for i, rate in enumerate(rates):
+        for run in range(1, repeat + 1):
+            turn = (i + run - 1) % len(names)
+            for name in names[turn:] + names[:turn]:
+                yield rate, run, name
 
 
-def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (trace, rate, server), in first-run order: the first
-    run's row with each ``JUDGED`` figure the median over its runs (None
+# A figure of a spread table: (row key, heading, format, scale).
+Column = tuple[str, str, str, float]
+# The figures the checks against vLLM read; with several runs of a (trace,
+# rate, server) each is judged by its median over them.
+JUDGED: list[Column] = [("goodput_rps", "goodput req/s", ".2f", 1.0),
+                        ("itl_p90_ms", "ITL p90 ms", ".1f", 1.0),
+                        ("in_slo_of_accepted", "in SLO of accepted %", ".0f", 100.0),
+                        ("ttft_mae_of_p50", "TTFT MAE / p50 %", ".0f", 100.0)]
+
+
+def medians(rows: list[dict[str, Any]], by: str = "server",
+            judged: list[Column] = JUDGED) -> list[dict[str, Any]]:
+    """One row per (trace, rate, ``by``), in first-run order: the first
+    run's row with each judged figure the median over its runs (None
     where no run had it), ``rejected_429`` summed, ``runs`` counted, and
     each judged figure's (min, max) under ``KEY_range``."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault((r["trace"], r["rate_x"], r["server"]), []).append(r)
+        groups.setdefault((r["trace"], r["rate_x"], r[by]), []).append(r)
     out = []
     for runs in groups.values():
         row = {**runs[0], "runs": len(runs),
                "rejected_429": sum(r.get("rejected_429") or 0 for r in runs)}
-        for key in JUDGED:
+        for key, *_ in judged:
             values = [r[key] for r in runs if r.get(key) is not None]
             row[key] = statistics.median(values) if values else None
             row[f"{key}_range"] = (min(values), max(values)) if values else None
@@ -491,23 +508,23 @@ def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def spread_markdown(summary: list[dict[str, Any]]) -> str:
-    """Median [min-max] over the runs of each (trace, rate, server)."""
-    def f(row: dict[str, Any], key: str, spec: str, scale: float = 1.0) -> str:
+def spread_markdown(summary: list[dict[str, Any]], by: str = "server",
+                    judged: list[Column] = JUDGED) -> str:
+    """Median [min-max] over the runs of each (trace, rate, ``by``)."""
+    def f(row: dict[str, Any], key: str, spec: str, scale: float) -> str:
         span = row.get(f"{key}_range")
         if row.get(key) is None or span is None:
             return "-"
         return (f"{format(row[key] * scale, spec)} [{format(span[0] * scale, spec)}-"
                 f"{format(span[1] * scale, spec)}]")
 
-    out = ["| trace | rate | server | runs | goodput req/s | 429 (all runs) | ITL p90 ms "
-           "| in SLO of accepted % | TTFT MAE / p50 % |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = [f"| trace | rate | {by} | runs | 429 (all runs) | "
+           + " | ".join(heading for _, heading, _, _ in judged) + " |",
+           "|---|---|---|---|---|" + "---|" * len(judged)]
     for r in summary:
-        out.append(f"| {r['trace']} | {r['rate_x']:g}x | {r['server']} | {r['runs']} "
-                   f"| {f(r, 'goodput_rps', '.2f')} | {r['rejected_429']} "
-                   f"| {f(r, 'itl_p90_ms', '.1f')} | {f(r, 'in_slo_of_accepted', '.0f', 100)} "
-                   f"| {f(r, 'ttft_mae_of_p50', '.0f', 100)} |")
+        out.append(f"| {r['trace']} | {r['rate_x']:g}x | {r[by]} | {r['runs']} "
+                   f"| {r['rejected_429']} | "
+                   + " | ".join(f(r, key, spec, scale) for key, _, spec, scale in judged) + " |")
     return "\n".join(out)
 
 
@@ -728,19 +745,16 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     started = time.monotonic()
     for s in slices:
-        for i, rate in enumerate(rates):
-            for run in range(1, args.repeat + 1):
-                turn = (i + run - 1) % len(servers)
-                for name in servers[turn:] + servers[:turn]:
-                    try:
-                        row = run_one(targets[name], s, rate, text, aiperf, model_dir, repo_id,
-                                      env, args, run)
-                    except RuntimeError as exc:
-                        log(f"{s.name} {rate:g}x {name}: failed: {exc}")
-                        continue
-                    rows.append(row)
-                    log(json.dumps(row))
-                    write_results(args.out, rows, meta)   # partial results survive a crash
+        for rate, run, name in rounds(rates, args.repeat, servers):
+            try:
+                row = run_one(targets[name], s, rate, text, aiperf, model_dir, repo_id, env,
+                              args, run)
+            except RuntimeError as exc:
+                log(f"{s.name} {rate:g}x {name}: failed: {exc}")
+                continue
+            rows.append(row)
+            log(json.dumps(row))
+            write_results(args.out, rows, meta)   # partial results survive a crash
     table = write_results(args.out, rows, meta | {"wall_s": time.monotonic() - started})
     print(table)
     print(MACHINE_NOTE)

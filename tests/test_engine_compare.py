@@ -15,9 +15,10 @@ from paths import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from engine_compare import (ROUTER_PROCS, answered_requests, bars, bars_markdown,  # noqa: E402
-                            engine_row, markdown, prefix_delta, reuse_breakdown,
-                            session_cpu_s, ttft_error_delta)
+from engine_compare import (ROUTER_PROCS, answered_requests, artifacts, bars,  # noqa: E402
+                            bars_markdown, engine_row, markdown, prefix_delta,
+                            reuse_breakdown, session_cpu_s, ttft_error_delta,
+                            write_results)
 
 
 def test_prefix_delta_sums_both_engines_and_splits_the_lookups():
@@ -99,6 +100,31 @@ def test_bars_compare_mooncaked_with_both_peers():
     assert bars(rows)[0]["hit_gt_round_robin"] is False
     # A (trace, rate) missing a router is not judged.
     assert bars(rows[:2]) == []
+
+
+def test_repeated_runs_are_judged_by_their_medians(tmp_path):
+    """Three runs per router: the checks read the medians (a run where
+    mooncaked hit less and served less than cache_aware does not decide
+    them), the table names each run and adds median [min-max], and each
+    run's artifacts have a folder of their own."""
+    figures = {"mooncaked": [(0.70, 1.5), (0.60, 1.2), (0.72, 1.6)],
+               "sglang_cache_aware": [(0.69, 1.4), (0.70, 1.5), (0.69, 1.45)],
+               "round_robin": [(0.40, 1.0), (0.40, 1.1), (0.45, 1.0)]}
+    rows = [row(router, hit, goodput, mae_of_p50=0.2) | {"run": run, "runs": 3}
+            for run in (1, 2, 3) for router, runs in figures.items()
+            for hit, goodput in [runs[run - 1]]]
+    (check,) = bars(rows)
+    assert (check["hit_ge_cache_aware"], check["goodput_ge_both"]) == (True, True)
+    (second,) = bars([r for r in rows if r["run"] == 2])
+    assert (second["hit_ge_cache_aware"], second["goodput_ge_both"]) == (False, False)
+    table = write_results(tmp_path, rows, {})
+    assert "| docs | 2x | mooncaked, run 2 |" in table
+    assert "| docs | 2x | mooncaked | 3 | 0 | 70.0 [60.0-72.0] | 1.50 [1.20-1.60] |" in table
+    assert "Checks, mooncaked against the other two (medians of 3 runs):" in table
+    assert artifacts(tmp_path, "docs", 2.0, "mooncaked", 2, 3) == \
+        tmp_path / "aiperf" / "docs" / "2x" / "mooncaked" / "run2"
+    assert artifacts(tmp_path, "docs", 2.0, "mooncaked", 1, 1) == \
+        tmp_path / "aiperf" / "docs" / "2x" / "mooncaked"
 
 
 def test_tables_render_the_figures():

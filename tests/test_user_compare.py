@@ -254,7 +254,7 @@ def test_repeated_runs_are_judged_by_their_medians():
     assert (alone["goodput_ge_vllm"], alone["itl_p90_le_vllm"], alone["prediction_le_20"]) == \
         (False, False, False)
     spread = user_compare.spread_markdown(summary).splitlines()
-    assert spread[2] == "| t | 2x | mooncaked | 3 | 4.00 [2.00-4.10] | 5 | 11.0 [10.0-30.0] " \
+    assert spread[2] == "| t | 2x | mooncaked | 3 | 5 | 4.00 [2.00-4.10] | 11.0 [10.0-30.0] " \
                         "| 100 [100-100] | 18 [15-40] |"
     assert spread[3].endswith("| 12.0 [11.0-13.0] | 100 [100-100] | - |")
 
@@ -276,3 +276,11 @@ def test_results_name_each_run_and_say_the_checks_read_medians(tmp_path):
     assert "Checks, mooncaked against vLLM (medians of 2 runs):" in table
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["bars"][0]["goodput_ge_vllm"] is True    # medians 2.1 against 2.05
+
+
+def test_rounds_rotate_the_servers_from_run_to_run_and_rate_to_rate():
+    order = list(user_compare.rounds([1.0, 2.0], 2, ["a", "b", "c"]))
+    assert order == [(1.0, 1, "a"), (1.0, 1, "b"), (1.0, 1, "c"),
+                     (1.0, 2, "b"), (1.0, 2, "c"), (1.0, 2, "a"),
+                     (2.0, 1, "b"), (2.0, 1, "c"), (2.0, 1, "a"),
+                     (2.0, 2, "c"), (2.0, 2, "a"), (2.0, 2, "b")]

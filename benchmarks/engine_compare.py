@@ -99,7 +99,7 @@ from prompt_text import BlockText  # noqa: E402
 from rate_plots import plot_by_rate  # noqa: E402
 from vllm_compare import stop_session  # noqa: E402
 from user_compare import (Column, TraceSlice, aiperf_lines, checks_markdown,  # noqa: E402
-                          is_trace_file, load_traces, medians, prefix_counters, rounds,
+                          is_trace_file, load_traces, medians, prefix_counters, replay_all,
                           spread_markdown, theoretical_hit_at)
 
 ROUTERS = ("mooncaked", "sglang_cache_aware", "round_robin")
@@ -689,17 +689,11 @@ def main(argv: list[str] | None = None) -> int:
                                     "theoretical_hit_ratio_128": theoretical_hit_at(
                                         s.records, block_tokens, ENGINE_BLOCK_TOKENS)}
                            for s in slices}}
-        for s in slices:
-            for rate, run, name in rounds(rates, args.repeat, routers):
-                try:
-                    row = run_one(targets[name], engines, s, rate, text, aiperf, repo_id, env,
-                                  args, run)
-                except RuntimeError as exc:
-                    log(f"{s.name} {rate:g}x {name}: failed: {exc}")
-                    continue
-                rows.append(row)
-                log(json.dumps(row))
-                write_results(args.out, rows, meta)   # partial results survive a crash
+        rows = replay_all(
+            slices, rates, args.repeat, routers,
+            lambda s, rate, name, run: run_one(targets[name], engines, s, rate, text, aiperf,
+                                               repo_id, env, args, run),
+            lambda done: write_results(args.out, done, meta))
     finally:
         for t in engine_targets:
             t.stop()

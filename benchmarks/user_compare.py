@@ -477,6 +477,26 @@ def rounds(rates: list[float], repeat: int, names: list[str]):
                 yield rate, run, name
 
 
+def replay_all(slices: list[TraceSlice], rates: list[float], repeat: int, names: list[str],
+               run_row, write) -> list[dict[str, Any]]:
+    """Every (trace, rate, run, name) in ``rounds`` order: the row of
+    ``run_row(slice, rate, name, run)`` kept (one that raises RuntimeError
+    is logged and left out) and ``write(rows)`` called after each, so that
+    partial results survive a crash."""
+    rows: list[dict[str, Any]] = []
+    for s in slices:
+        for rate, run, name in rounds(rates, repeat, names):
+            try:
+                row = run_row(s, rate, name, run)
+            except RuntimeError as exc:
+                log(f"{s.name} {rate:g}x {name}: failed: {exc}")
+                continue
+            rows.append(row)
+            log(json.dumps(row))
+            write(rows)
+    return rows
+
+
 # A figure of a spread table: (row key, heading, format, scale).
 Column = tuple[str, str, str, float]
 # The figures the checks against vLLM read; with several runs of a (trace,
@@ -742,19 +762,12 @@ def main(argv: list[str] | None = None) -> int:
                                 "theoretical_hit_ratio": s.theoretical_hit_ratio,
                                 "theoretical_hit_ratio_256": s.theoretical_hit_ratio_mooncaked_blocks}
                        for s in slices}}
-    rows: list[dict[str, Any]] = []
     started = time.monotonic()
-    for s in slices:
-        for rate, run, name in rounds(rates, args.repeat, servers):
-            try:
-                row = run_one(targets[name], s, rate, text, aiperf, model_dir, repo_id, env,
-                              args, run)
-            except RuntimeError as exc:
-                log(f"{s.name} {rate:g}x {name}: failed: {exc}")
-                continue
-            rows.append(row)
-            log(json.dumps(row))
-            write_results(args.out, rows, meta)   # partial results survive a crash
+    rows = replay_all(
+        slices, rates, args.repeat, servers,
+        lambda s, rate, name, run: run_one(targets[name], s, rate, text, aiperf, model_dir,
+                                           repo_id, env, args, run),
+        lambda done: write_results(args.out, done, meta))
     table = write_results(args.out, rows, meta | {"wall_s": time.monotonic() - started})
     print(table)
     print(MACHINE_NOTE)

@@ -284,3 +284,20 @@ def test_rounds_rotate_the_servers_from_run_to_run_and_rate_to_rate():
                      (1.0, 2, "b"), (1.0, 2, "c"), (1.0, 2, "a"),
                      (2.0, 1, "b"), (2.0, 1, "c"), (2.0, 1, "a"),
                      (2.0, 2, "c"), (2.0, 2, "a"), (2.0, 2, "b")]
+
+
+def test_replay_all_keeps_the_rows_that_ran_and_writes_after_each():
+    """A replay that fails (RuntimeError) is left out and the others still
+    run; every kept row is written as soon as it is in."""
+    slices = [argparse.Namespace(name="t")]
+    written = []
+
+    def run_row(s, rate, name, run):
+        if name == "b" and run == 2:
+            raise RuntimeError("server did not start")
+        return {"trace": s.name, "rate_x": rate, "server": name, "run": run}
+
+    rows = user_compare.replay_all(slices, [1.0], 2, ["a", "b"], run_row,
+                                   lambda done: written.append(len(done)))
+    assert [(r["server"], r["run"]) for r in rows] == [("a", 1), ("b", 1), ("a", 2)]
+    assert written == [1, 2, 3]

@@ -68,8 +68,9 @@ deltas; measured by the conductor from forwarding to the first token) over
 aiperf's TTFT p50.  ``results.md`` also states the checks against the
 other two routers per (trace, rate); ``--repeat N`` runs each (trace, rate,
 router) N times, routers alternating within each round, and judges the
-checks on each figure's median (results.md then adds median [min-max]).  Writes ``results.json``, ``results.md``, ``results.png`` and logs
-under ``--out``.  A benchmark, not a test: figures on a shared 2-core
+checks on each figure's median (results.md then adds median [min-max]).
+Writes ``results.json``, ``results.md``, ``results.png`` and logs under
+``--out``.  A benchmark, not a test: figures on a shared 2-core
 machine are relative.
 """
 
@@ -100,7 +101,7 @@ from rate_plots import plot_by_rate  # noqa: E402
 from vllm_compare import stop_session  # noqa: E402
 from user_compare import (Column, TraceSlice, aiperf_lines, checks_markdown,  # noqa: E402
                           is_trace_file, load_traces, medians, prefix_counters, replay_all,
-                          spread_markdown, theoretical_hit_at)
+                          results_tail, run_dir, run_label, run_name, theoretical_hit_at)
 
 ROUTERS = ("mooncaked", "sglang_cache_aware", "round_robin")
 SGLANG_PIN = "sglang-router==0.3.2"
@@ -277,9 +278,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         split = r.get("engine_split")
-        router = r["router"] if r.get("runs", 1) <= 1 else f"{r['router']}, run {r['run']}"
         out.append(
-            f"| {r['trace']} | {r['rate_x']:g}x | {router} | {r['offered_rps']:.2f} "
+            f"| {r['trace']} | {r['rate_x']:g}x | {run_name(r['router'], r)} | {r['offered_rps']:.2f} "
             f"| {r['ok']}/{r['sent']} | {r['rejected_429']} | {_f(r['goodput_rps'], '.2f')} "
             f"| {_f(r['in_slo_of_accepted'], '.0%')} "
             f"| {_f(r['ttft_p50_ms'], '.0f')} / {_f(r['ttft_p90_ms'], '.0f')} "
@@ -312,14 +312,9 @@ def plot(path: Path, rows: list[dict[str, Any]]) -> None:
 def write_results(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     out.mkdir(parents=True, exist_ok=True)
     checks = bars(rows)
-    runs = max((r.get("runs", 1) for r in rows), default=1)
-    table = markdown(rows)
-    if runs > 1:
-        table += (f"\n\nMedian [min-max] of {runs} runs:\n\n"
-                  + spread_markdown(medians(rows, "router", JUDGED), "router", JUDGED))
-    table += ("\n\nChecks, mooncaked against the other two"
-              + (f" (medians of {runs} runs)" if runs > 1 else "") + ":\n\n"
-              + bars_markdown(checks))
+    table = markdown(rows) + results_tail(rows, "router", JUDGED,
+                                          "Checks, mooncaked against the other two",
+                                          bars_markdown(checks))
     (out / "results.json").write_text(json.dumps({**meta, "rows": rows, "bars": checks},
                                                  indent=1))
     (out / "results.md").write_text(table + "\n")
@@ -524,8 +519,7 @@ def warm(url: str, prompts: list[tuple[str, int]]) -> int:
 
 def artifacts(out: Path, trace: str, rate: float, router: str, run: int, runs: int) -> Path:
     """Where a replay's aiperf files go (run K of several under runK)."""
-    base = out / "aiperf" / trace / f"{rate:g}x" / router
-    return base / f"run{run}" if runs > 1 else base
+    return run_dir(out / "aiperf" / trace / f"{rate:g}x" / router, run, runs)
 
 
 def run_one(router: Target, engines: list[str], trace: TraceSlice, rate: float, text: BlockText,
@@ -537,9 +531,8 @@ def run_one(router: Target, engines: list[str], trace: TraceSlice, rate: float, 
     if artifact_dir.exists():
         shutil.rmtree(artifact_dir)
     reset_prefix_caches(engines)
-    log(f"{trace.name} {rate:g}x {router.name}"
-        + (f" run {run}/{args.repeat}" if args.repeat > 1 else "")
-        + f": starting ({router.description})")
+    log(f"{run_label(trace.name, rate, router.name, run, args.repeat)}: "
+        f"starting ({router.description})")
     url = router.start()
     try:
         warmed = warm(url, [(text.prompt(r["hash_ids"], r["input_length"]), r["output_length"])
@@ -672,7 +665,6 @@ def main(argv: list[str] | None = None) -> int:
     cpus = sorted(os.sched_getaffinity(0))
     engine_targets = [engine_target(i, cpus[i % len(cpus)], python, model_dir, args)
                       for i in range(2)]
-    rows: list[dict[str, Any]] = []
     started = time.monotonic()
     engines: list[str] = []
     try:

@@ -454,9 +454,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cached = r.get("cached_prompt_pct")
-        server = r["server"] if r.get("runs", 1) <= 1 else f"{r['server']}, run {r['run']}"
         out.append(
-            f"| {r['trace']} | {r['rate_x']:g}x | {server} | {r['offered_rps']:.2f} "
+            f"| {r['trace']} | {r['rate_x']:g}x | {run_name(r['server'], r)} | {r['offered_rps']:.2f} "
             f"| {r['ok']}/{r['sent']} | {r['rejected_429']} | {f(r['goodput_rps'], '.2f')} "
             f"| {f(r['in_slo_of_accepted'], '.0%')} | {f(r['ttft_p50_ms'], '.0f')} "
             f"| {f(r['itl_p90_ms'], '.1f')} | {f(r['prefix_hit_ratio'], '.1%')} "
@@ -475,6 +474,37 @@ def rounds(rates: list[float], repeat: int, names: list[str]):
             turn = (i + run - 1) % len(names)
             for name in names[turn:] + names[:turn]:
                 yield rate, run, name
+
+
+def run_name(name: str, row: dict[str, Any]) -> str:
+    """A row's server (or router) in a table: with its run when it has several."""
+    return name if row.get("runs", 1) <= 1 else f"{name}, run {row['run']}"
+
+
+def run_dir(base: Path, run: int, runs: int) -> Path:
+    """Where run ``run`` of ``runs`` keeps its files: ``base`` for a single run."""
+    return base / f"run{run}" if runs > 1 else base
+
+
+def run_label(trace: str, rate: float, name: str, run: int, runs: int) -> str:
+    """A replay in the log: trace, rate, server and, of several, which run."""
+    return f"{trace} {rate:g}x {name}" + (f" run {run}/{runs}" if runs > 1 else "")
+
+
+def results_tail(rows: list[dict[str, Any]], by: str, judged: list["Column"],
+                 checks_title: str, checks_table: str) -> str:
+    """What results.md gives after the rows: with several runs the median
+    [min-max] table, then the checks (none when ``checks_table`` is empty),
+    saying when they read medians."""
+    runs = max((r.get("runs", 1) for r in rows), default=1)
+    out = ""
+    if runs > 1:
+        out += f"\n\nMedian [min-max] of {runs} runs:\n\n" + spread_markdown(
+            medians(rows, by, judged), by, judged)
+    if checks_table:
+        out += (f"\n\n{checks_title}" + (f" (medians of {runs} runs)" if runs > 1 else "")
+                + ":\n\n" + checks_table)
+    return out
 
 
 def replay_all(slices: list[TraceSlice], rates: list[float], repeat: int, names: list[str],
@@ -611,14 +641,8 @@ def plot(path: Path, rows: list[dict[str, Any]]) -> None:
 def write_results(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     out.mkdir(parents=True, exist_ok=True)
     checks = bars(rows)
-    table = markdown(rows)
-    runs = max((r.get("runs", 1) for r in rows), default=1)
-    if runs > 1:
-        table += (f"\n\nMedian [min-max] of {runs} runs:\n\n" + spread_markdown(medians(rows)))
-    if checks:
-        table += ("\n\nChecks, mooncaked against vLLM" +
-                  (f" (medians of {runs} runs)" if runs > 1 else "") + ":\n\n"
-                  + bars_markdown(checks))
+    table = markdown(rows) + results_tail(rows, "server", JUDGED, "Checks, mooncaked against vLLM",
+                                          bars_markdown(checks) if checks else "")
     (out / "results.json").write_text(json.dumps({**meta, "rows": rows, "bars": checks},
                                                  indent=1))
     (out / "results.md").write_text(table + "\n")
@@ -632,9 +656,8 @@ def write_results(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -
 def run_one(target: Target, trace: TraceSlice, rate: float, text: BlockText, aiperf: Path,
             model_dir: Path, repo_id: str, env: dict[str, str], args: argparse.Namespace,
             run: int = 1) -> dict[str, Any]:
-    base = args.out / "aiperf" / trace.name / f"{rate:g}x" / target.name
-    if args.repeat > 1:
-        base = base / f"run{run}"
+    base = run_dir(args.out / "aiperf" / trace.name / f"{rate:g}x" / target.name, run,
+                   args.repeat)
     files = {}
     for part, records in (("warmup", trace.warmup), ("slice", trace.records)):
         if records:
@@ -654,9 +677,8 @@ def run_one(target: Target, trace: TraceSlice, rate: float, text: BlockText, aip
                    timeout_s=span_s + args.request_timeout + 300.0)
         return artifact_dir
 
-    log(f"{trace.name} {rate:g}x {target.name}"
-        + (f" run {run}/{args.repeat}" if args.repeat > 1 else "")
-        + f": starting ({target.description})")
+    log(f"{run_label(trace.name, rate, target.name, run, args.repeat)}: "
+        f"starting ({target.description})")
     url = target.start()
     try:
         if "warmup" in files:

@@ -354,20 +354,18 @@ def register(app: typer.Typer) -> None:
                  "in --config or --set wins."),
         borrow: Optional[bool] = typer.Option(
             None, "--borrow/--no-borrow",
-            help="With --placement auto (the default): one more prefill node on the decode CPUs "
-                 "at idle priority (its compute at SCHED_IDLE, its autogroup at nice 19, from "
-                 "the end of its start-up on, so a busy core cannot keep it from starting), "
-                 "computing in the gaps between decode steps; the kernel preempts it whenever "
-                 "decode or the conductor wants the core, so token spacing does not grow. "
-                 "The conductor fits each "
-                 "prefill node's speed on its own prefills and gives the borrower only requests "
-                 "no other prefill node can serve within the TTFT SLO (its speed hangs on decode "
-                 "work still to come; --set conductor.borrowed_prefill=always chooses it like "
-                 "any node). A borrower killed on a busy "
-                 "core may close its connections only after the heartbeat timeout "
-                 "(node.heartbeat_timeout_s). --no-borrow keeps the decode CPUs to decode "
-                 "and the conductor. Default: on, unless --layout auto measures that it adds "
-                 "nothing."),
+            help="With --placement auto (the default): one more prefill node on the decode CPUs at "
+                 "idle priority (its compute at SCHED_IDLE, its autogroup at nice 19, from the end "
+                 "of its start-up on, so a busy core cannot keep it from starting), computing in "
+                 "the gaps between decode steps; the kernel preempts it whenever decode or the "
+                 "conductor wants the core, so token spacing does not grow. The conductor fits "
+                 "each prefill node's speed on its own prefills and gives the borrower only "
+                 "requests no other prefill node can serve within the TTFT SLO (its speed hangs on "
+                 "decode work still to come; --set conductor.borrowed_prefill=always chooses it "
+                 "like any node). A borrower killed on a busy core may close its connections only "
+                 "after the heartbeat timeout (node.heartbeat_timeout_s). --no-borrow keeps the "
+                 "decode CPUs to decode and the conductor. Default: on, unless --layout auto "
+                 "measures that it adds nothing."),
         layout: str = typer.Option(
             "auto", "--layout",
             help="auto: time this machine's prefill and decode of the model (a few seconds, "

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from roles.scheduling.cache_pressure import (ReuseShare, blocks_evicted, eviction_seconds,
-                                             new_blocks)
+from roles.scheduling.cache_pressure import (ReuseShare, blocks_displaced, blocks_evicted,
+                                             eviction_seconds, new_blocks)
 from roles.scheduling.estimators import PolynomialPrefillEstimator
 
 
@@ -31,6 +31,13 @@ def test_blocks_evicted_only_past_capacity_and_at_most_those_stored():
     assert blocks_evicted(20, 18, 5) == 3
     assert blocks_evicted(20, 20, 5) == 5
     assert blocks_evicted(20, 40, 5) == 5          # an over-full report: each stored block evicts one
+
+
+def test_copies_displace_a_block_each_even_into_room():
+    assert blocks_displaced(20, 10, 5, 0) == 0     # unique blocks into room: free
+    assert blocks_displaced(20, 10, 0, 4) == 4     # copies into room: one each
+    assert blocks_displaced(20, 10, 5, 8) == 8 + 3  # the copies take the room first
+    assert blocks_displaced(20, 20, 5, 8) == 13     # a full cache: every block stored
 
 
 def test_eviction_seconds_price_evicted_tokens_at_the_margin():

@@ -297,12 +297,38 @@ def test_a_copy_that_evicts_cached_work_needs_a_larger_ttft_gain():
     assert d.engine == "a"
     assert d.predicted_ttft_s == pytest.approx(1.4)
     assert d.eviction_s == pytest.approx(0.16)
-    # With room at b (8 of 20 blocks held) the copy evicts nothing: b's
-    # 1.2 s against a's 1.4 s and more.
+    # With room at b (8 of 20 blocks held) the copy still evicts: its 10
+    # blocks a holds are copies, each priced as one block pushed out (an
+    # engine's cache never gives room back, so they take the room b's next
+    # unique prefix would have had); its 2 blocks nobody holds fit the
+    # room left.  b: 1.2 + share * 1000 tokens * 1 ms, a: 1.4 + share * 0.2.
     sched.on_failed("a", "doc", now=100.0)
+    share = sched.reuse.share()
     d = sched.schedule("doc2", 1200, {"a": 1000}, now=100.0, block_size=100,
                        cached_blocks={"a": 20, "b": 8})
+    assert d.engine == "a" and d.eviction_s == pytest.approx(share * 0.2)
+    assert dict((e, c) for e, _, _, c in d.candidates) == pytest.approx(
+        {"a": 1.4 + share * 0.2, "b": 1.2 + share * 1.0})
+    # A prompt nobody holds goes into b's room at no cost (12 new blocks,
+    # 8 + 12 of 20), where a's full cache would lose 12.
+    sched.on_failed("a", "doc2", now=100.0)
+    d = sched.schedule("fresh", 1200, {}, now=100.0, block_size=100,
+                       cached_blocks={"a": 20, "b": 8})
     assert (d.engine, d.eviction_s) == ("b", 0.0)
+
+
+def test_a_copy_into_room_is_made_once_the_holder_queue_costs_more():
+    # The holder a is busy for 3.2 s: recomputing the 1000 held tokens at
+    # idle b (1.2 s) plus what the copy pushes out (share * 1 s) is sooner
+    # than 3.2 + 0.2 s there, so the prefix is copied to b although b's
+    # room was all the copy took.
+    sched = make()
+    _full_engines(sched)
+    sched.schedule("busy-a", 16000, {"a": 12800}, now=100.0, among={"a"})
+    share = sched.reuse.share()
+    d = sched.schedule("hot", 1200, {"a": 1000}, now=100.0, block_size=100,
+                       cached_blocks={"a": 20, "b": 0})
+    assert d.engine == "b" and d.eviction_s == pytest.approx(share * 1.0)
 
 
 def test_eviction_counts_blocks_still_being_computed_and_needs_a_size():

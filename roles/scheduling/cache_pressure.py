@@ -12,7 +12,16 @@ costs the requests after it
 where *reuse share* is the share of recently routed prompt tokens that some
 engine already held: how likely a cached block is asked for again, as this
 workload shows it (near 0 for one-off prompts, most of the prompt for
-documents asked about again and again).  Algorithm 1 over engines chooses on
+documents asked about again and again).
+
+A new block that no engine holds evicts only once the cache is full: free
+room holds it at no cost.  A copy of a block another engine holds does not
+wait for that: it adds nothing the fleet lacks, and an engine's prefix cache
+never gives room back (freed blocks stay cached until they are needed), so
+the room the copy takes is room the fleet's next unique prefix at that
+engine would have had.  It is priced as evicting one block, free room or
+not; a hot prefix is still copied once the queue at its holder costs more
+than recomputing it and that.  Algorithm 1 over engines chooses on
 predicted TTFT plus this cost, admission stays on the TTFT alone: a busy
 holder of a prefix loses its request to an idle engine only when the TTFT
 saved outweighs the cached work the copy would push out, and a new prefix
@@ -57,6 +66,15 @@ def blocks_evicted(capacity_blocks: int, occupied_blocks: int, storing: int) -> 
     """Cached blocks pushed out by storing ``storing`` more into a cache of
     ``capacity_blocks`` holding ``occupied_blocks``."""
     return max(0, min(storing, occupied_blocks + storing - capacity_blocks))
+
+
+def blocks_displaced(capacity_blocks: int, occupied_blocks: int, unique: int,
+                     copies: int) -> int:
+    """Cached blocks that storing ``unique`` blocks no engine holds and
+    ``copies`` of blocks another engine holds costs a cache of
+    ``capacity_blocks`` holding ``occupied_blocks``: every copy one, the
+    unique blocks those the room left after the copies does not take."""
+    return copies + blocks_evicted(capacity_blocks, occupied_blocks + copies, unique)
 
 
 def eviction_seconds(estimator: PrefillEstimator, evicted_blocks: int, block_size: int,

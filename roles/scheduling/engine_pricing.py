@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .cache_pressure import blocks_evicted, eviction_seconds, new_blocks
+from .cache_pressure import blocks_displaced, eviction_seconds, new_blocks
 from .engine_state import EngineState
 from .engine_timeline import Decoding, Queued, start_after_s
 from .estimators import PrefillEstimator
@@ -162,16 +162,21 @@ class EnginePricing:
         return misses
 
     def eviction_s(self, state: EngineState, prompt_tokens: int, held_tokens: int,
-                   block_size: int, cached_blocks: int | None) -> float:
+                   block_size: int, cached_blocks: int | None,
+                   held_elsewhere_tokens: int = 0) -> float:
         """Expected recompute later requests pay for what this prompt's new
         blocks evict at ``state`` (cache_pressure.py).  Its cache holds what
         its events reported plus the new blocks of our requests still
-        queued or prefilling there (not reported until computed)."""
+        queued or prefilling there (not reported until computed).
+        ``held_elsewhere_tokens``: the longest prefix of the prompt another
+        engine holds; the new blocks within it are copies."""
         if state.capacity_blocks is None or cached_blocks is None or block_size <= 0:
             return 0.0
         storing = new_blocks(prompt_tokens, held_tokens, block_size)
+        unique = new_blocks(prompt_tokens, max(held_tokens, held_elsewhere_tokens), block_size)
         pending = sum(state.requests[rid].new_blocks for rid in state.queue.pending)
-        evicted = blocks_evicted(state.capacity_blocks, cached_blocks + pending, storing)
+        evicted = blocks_displaced(state.capacity_blocks, cached_blocks + pending, unique,
+                                   storing - unique)
         return eviction_seconds(self.estimator_for(state), evicted, block_size,
                                 self.reuse.share(), self.typical_prompt(prompt_tokens))
 

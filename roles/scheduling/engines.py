@@ -28,8 +28,9 @@ running batch + 1, <= TBT SLO), those where its prefill, running in the
 steps that decode our requests there, pushes none of them over the TBT
 SLO (``tbt_misses_caused``) come first; among them the one with the least
 predicted TTFT plus
-the cost of what its blocks would evict there (cache_pressure.py; zero
-while the engine's cache has room, or its size is unknown) wins; costs
+the cost of what its blocks would evict there (cache_pressure.py: a copy
+of blocks another engine holds always evicts, a block no engine holds once
+the cache is full; zero while its size is unknown) wins; costs
 closer than the engines' predictions err (their learned TTFT spreads) are
 a tie, won by the engine holding more of the prompt.  Hot
 prefixes spill by this pricing alone: once the holder's queue costs more
@@ -174,15 +175,17 @@ class EngineScheduler(EnginePricing, EngineFeedback):
         spreads: dict[str, float] = {}
         output_tokens = max_tokens if max_tokens is not None and max_tokens > 0 \
             else self.typical_output()
-        for name, state in self.engines.items():
-            if not state.alive or state.stale or (among is not None and name not in among):
-                continue
+        eligible = {name: state for name, state in self.engines.items()
+                    if state.alive and not state.stale and (among is None or name in among)}
+        for name, state in eligible.items():
+            held_by[name] = max(prefix_tokens.get(name, 0),
+                                self.pending_prefix_tokens(state, block_keys, block_size))
+        for name, state in eligible.items():
             level = load_level(state.in_flight())
-            held = max(prefix_tokens.get(name, 0),
-                       self.pending_prefix_tokens(state, block_keys, block_size))
+            held = held_by[name]
+            elsewhere = max((h for other, h in held_by.items() if other != name), default=0)
             # At least the last prompt token is computed: it makes the first output token.
             prefix = max(0, min(held, prompt_tokens - 1))
-            held_by[name] = held
             tbt, step = self.tbt_and_step_s(state, prompt_tokens)
             t_start = self.start_wait_s(state, now, prompt_tokens, block_keys, block_size, step)
             t_queue = max(self.queue_s(state, now, prompt_tokens), t_start)
@@ -193,7 +196,7 @@ class EngineScheduler(EnginePricing, EngineFeedback):
             median, spreads[name] = self.ttft_residuals_at(name, level, now)
             ttft = model + median
             cached = None if cached_blocks is None else cached_blocks.get(name)
-            eviction = self.eviction_s(state, prompt_tokens, held, block_size, cached)
+            eviction = self.eviction_s(state, prompt_tokens, held, block_size, cached, elsewhere)
             misses = self.tbt_misses_caused(state, now, t_prefill, step)
             decision = EngineDecision(request_id, name, prefix, ttft, tbt, t_queue, t_prefill,
                                       eviction, t_start, busy_level=busy, slowdown=slowdown,

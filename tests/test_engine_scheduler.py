@@ -160,6 +160,21 @@ def test_waiting_requests_other_clients_sent_are_queue():
     assert (sched.engines["a"].foreign_waiting, sched.engines["a"].foreign_running) == (2, 1)
 
 
+def test_a_first_token_back_while_the_figures_were_asked_for_is_not_another_clients():
+    sched = make(engines=("a",))
+    for rid in ("r1", "r2", "r3"):
+        sched.schedule(rid, 500, {}, now=0.0)
+    # Asked for at 1.0, answered at 1.05; r1's first token came back at
+    # 1.02, after the engine may have counted it waiting with r2 and r3.
+    sched.on_first_token("a", "r1", now=1.02)
+    sched.on_metrics("a", running=0, waiting=3, kv_usage=0.1, now=1.05, sampled_from=1.0)
+    assert sched.engines["a"].foreign_waiting == 0
+    # One that came back before the figures were asked for is not ours then:
+    # the third waiting request is another client's.
+    sched.on_metrics("a", running=1, waiting=3, kv_usage=0.1, now=1.55, sampled_from=1.5)
+    assert sched.engines["a"].foreign_waiting == 1
+
+
 def test_first_tokens_fit_the_engines_own_prefill_time():
     config = SchedulerConfig(ttft_slo_s=10.0, residual_half_life_s=1e9)
     sched = EngineScheduler(config, PolynomialPrefillEstimator({"n": 1e-3}, refit_every=1,

@@ -313,11 +313,12 @@ class EngineFleet:
                              refused=isinstance(exc, aiohttp.ClientConnectorError)) from None
 
     async def _poll(self, engine: Engine) -> None:
+        asked_at = time.monotonic()
         m = parse_metrics(await self._get(engine, "/metrics", json=False))
         engine.last_metrics = m
         now = time.monotonic()
         self.scheduler.on_metrics(engine.name, m.running, m.waiting, m.kv_usage, now,
-                                  capacity_blocks=m.num_blocks)
+                                  capacity_blocks=m.num_blocks, sampled_from=asked_at)
         # Only a publisher that is probed (it has a replay endpoint) is stale
         # for a reason other than idleness: an idle engine without one would
         # go stale, never be chosen, and so never publish again.

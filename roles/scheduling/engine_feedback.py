@@ -105,11 +105,14 @@ class EngineFeedback:
             state.queue.pending.pop(request_id, None)
 
     def on_metrics(self, engine: str, running: int, waiting: int, kv_usage: float,
-                   now: float, capacity_blocks: int | None = None) -> None:
+                   now: float, capacity_blocks: int | None = None,
+                   sampled_from: float | None = None) -> None:
         """The engine's own load figures (all its clients).  What exceeds the
         requests this scheduler has there is other clients' work.
         ``capacity_blocks``: the most blocks its prefix cache holds, where
-        it says."""
+        it says; ``sampled_from``: when the figures were asked for (they
+        hold the engine as it was at some instant between then and
+        ``now``; None: ``now``)."""
         state = self.engines.get(engine)
         if state is None:
             return
@@ -117,9 +120,15 @@ class EngineFeedback:
             state.capacity_blocks = capacity_blocks
         state.running, state.waiting, state.kv_usage, state.metrics_at = \
             running, waiting, kv_usage, now
-        queued = len(state.queue.pending)
+        asked = now if sampled_from is None else min(sampled_from, now)
         # Ours without a first token may be waiting or prefilling (running):
-        # every figure above them is someone else's.
+        # every figure above them is someone else's.  A first token that came
+        # back after the figures were asked for may have come after the
+        # engine counted its request as waiting: still ours, not another
+        # client's (counted as one, it would be priced as a whole uncached
+        # prefill until the next poll).
+        queued = sum(1 for r in state.requests.values()
+                     if r.first_token_at is None or r.first_token_at >= asked)
         state.foreign_waiting = max(0, waiting - queued)
         state.foreign_running = max(0, running + waiting - len(state.requests)
                                     - state.foreign_waiting)

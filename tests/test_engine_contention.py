@@ -134,3 +134,27 @@ def test_engines_on_machines_of_their_own_do_not_learn_a_slowdown():
     sched.schedule("dec", 50, {}, now, among={"a"})
     sched.on_first_token("a", "dec", now + 0.05)
     assert sched.schedule("new", 100, {}, now + 0.1).engine == "b"
+
+
+def test_an_idle_engine_is_charged_for_slowing_its_busy_neighbour():
+    # `a` has 0.4 s of prefill booked; `b` is idle.  A 100-token prompt `a`
+    # holds 50 tokens of: on `a`, 0.4 + 0.05 s; on `b`, 0.1 s at the 3x
+    # slowdown beside busy `a` = 0.3 s, the sooner first token.  But `b`
+    # busy for those 0.3 s (no output expected: nothing finished has
+    # generated any) slows `a`'s booked work 3x while it runs: `a` finishes
+    # 0.3 * (1 - 1/3) = 0.2 s later (less than 0.4 * (3 - 1)).  b's cost
+    # 0.5 s against a's 0.45: the request stays on `a`.
+    sched = make("m")
+    now = learn(sched)
+    assert sched.typical_output() == 0
+    sched.schedule("queued", 400, {}, now, among={"a"})
+    d = sched.schedule("new", 100, {"a": 50}, now)
+    costs = {name: cost for name, _, _, cost in d.candidates}
+    assert d.engine == "a" and d.contention_s == 0.0
+    assert costs == pytest.approx({"a": 0.45, "b": 0.5})
+    # Once `a` is idle, sending work to `b` slows nobody.
+    sched.on_failed("a", "new", now)
+    sched.on_first_token("a", "queued", now)
+    sched.on_finished("a", "queued", now)
+    d = sched.schedule("alone", 100, {}, now, among={"b"})
+    assert d.contention_s == 0.0 and d.slowdown == 1.0

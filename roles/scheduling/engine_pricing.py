@@ -36,6 +36,33 @@ class EnginePricing:
                               if other is not state and other.alive
                               and other.machine == state.machine and other.in_flight() > 0))
 
+    def contention_s(self, state: EngineState, now: float, busy_s: float) -> float:
+        """What sending a request to ``state`` costs the work booked at its
+        busy neighbours: an engine with no work that gets some, for
+        ``busy_s`` (its prefill and decode there), makes each other engine
+        of its machine with work compute beside one more busy engine, at
+        the slowdown s learned for that (contention.py).  A neighbour with
+        W seconds of prefill booked and not yet done then finishes it later
+        by W (s - 1), or by busy_s (1 - 1/s) where this request is gone
+        first.  0 where ``state`` already has work (nothing changes for its
+        neighbours) or its machine's slowdowns are not learned yet (1)."""
+        if state.in_flight() > 0 or busy_s <= 0:
+            return 0.0
+        extra = 0.0
+        for other in self.engines.values():
+            if other is state or not other.alive or other.machine != state.machine \
+                    or other.in_flight() == 0:
+                continue
+            busy = sum(1 for e in self.engines.values()
+                       if e is not other and e.alive and e.machine == other.machine
+                       and e.in_flight() > 0)
+            ratio = self.contention.slowdown(other.machine, load_level(busy + 1), now) \
+                / self.contention.slowdown(other.machine, load_level(busy), now)
+            if ratio > 1.0:
+                extra += min(other.queue.queue_time(now) * (ratio - 1.0),
+                             busy_s * (1.0 - 1.0 / ratio))
+        return extra
+
     def typical_prompt(self, default: int) -> int:
         return round(sum(self.recent_prompts) / len(self.recent_prompts)) \
             if self.recent_prompts else default

@@ -40,11 +40,15 @@ class EngineDecision(NamedTuple):
     # Requests of ours there whose mean token interval its prefill would
     # push over the TBT SLO (``EngineScheduler.tbt_misses_caused``).
     tbt_misses: int = 0
+    # Seconds the prefill work booked at the engine's busy neighbours (its
+    # machine's other engines) would take longer with this engine busy too
+    # (chosen on, not admitted on): 0 where it already has work.
+    contention_s: float = 0.0
 
     @property
     def cost_s(self) -> float:
         """What the choice between engines minimises."""
-        return self.predicted_ttft_s + self.eviction_s
+        return self.predicted_ttft_s + self.eviction_s + self.contention_s
 
 
 @dataclass

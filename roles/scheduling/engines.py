@@ -30,7 +30,9 @@ SLO (``tbt_misses_caused``) come first; among them the one with the least
 predicted TTFT plus
 the cost of what its blocks would evict there (cache_pressure.py: a copy
 of blocks another engine holds always evicts, a block no engine holds once
-the cache is full; zero while its size is unknown) wins; costs
+the cache is full; zero while its size is unknown) and of what its work
+slows at the busy engines of its machine when it had none
+(``contention_s``) wins; costs
 closer than the engines' predictions err (their learned TTFT spreads) are
 a tie, won by the engine holding more of the prompt.  Hot
 prefixes spill by this pricing alone: once the holder's queue costs more
@@ -200,7 +202,9 @@ class EngineScheduler(EnginePricing, EngineFeedback):
             misses = self.tbt_misses_caused(state, now, t_prefill, step)
             decision = EngineDecision(request_id, name, prefix, ttft, tbt, t_queue, t_prefill,
                                       eviction, t_start, busy_level=busy, slowdown=slowdown,
-                                      tbt_misses=misses)
+                                      tbt_misses=misses,
+                                      contention_s=self.contention_s(
+                                          state, now, t_prefill + output_tokens * tbt))
             priced.append((name, prefix, ttft, decision.cost_s))
             limit = max(0.0, cfg.ttft_slo_s - spreads[name])
             if cfg.reject and ttft > limit:

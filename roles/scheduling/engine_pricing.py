@@ -3,8 +3,9 @@
 The queue a request sent now waits (our bookings there, other clients'
 waiting requests, and the engine's next seconds played forward:
 engine_timeline.py), the decode step and TBT at the batch it would join,
-the replies of ours there its prefill would push over the TBT SLO, and
-what its new blocks would evict.  A mixin of EngineScheduler (engines.py),
+the replies of ours there its prefill would push over the TBT SLO, what
+its new blocks would evict, and what it would slow at the busy engines of
+its machine.  A mixin of EngineScheduler (engines.py),
 which holds the state these read and decides with them; nothing here does
 I/O or reads a clock: ``now`` is always an argument.
 """

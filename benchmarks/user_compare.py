@@ -519,7 +519,7 @@ def replay_all(slices: list[TraceSlice], rates: list[float], repeat: int, names:
             try:
                 row = run_row(s, rate, name, run)
             except RuntimeError as exc:
-                log(f"{s.name} {rate:g}x {name}: failed: {exc}")
+                log(f"{run_label(s.name, rate, name, run, repeat)}: failed: {exc}")
                 continue
             rows.append(row)
             log(json.dumps(row))

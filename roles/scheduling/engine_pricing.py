@@ -49,20 +49,17 @@ class EnginePricing:
         neighbours) or its machine's slowdowns are not learned yet (1)."""
         if state.in_flight() > 0 or busy_s <= 0:
             return 0.0
-        extra = 0.0
-        for other in self.engines.values():
-            if other is state or not other.alive or other.machine != state.machine \
-                    or other.in_flight() == 0:
-                continue
-            busy = sum(1 for e in self.engines.values()
-                       if e is not other and e.alive and e.machine == other.machine
-                       and e.in_flight() > 0)
-            ratio = self.contention.slowdown(other.machine, load_level(busy + 1), now) \
-                / self.contention.slowdown(other.machine, load_level(busy), now)
-            if ratio > 1.0:
-                extra += min(other.queue.queue_time(now) * (ratio - 1.0),
-                             busy_s * (1.0 - 1.0 / ratio))
-        return extra
+        neighbours = [e for e in self.engines.values()
+                      if e is not state and e.alive and e.machine == state.machine
+                      and e.in_flight() > 0]
+        # Each busy neighbour computes beside the others now, one more later.
+        busy = len(neighbours) - 1
+        ratio = self.contention.slowdown(state.machine, load_level(busy + 1), now) \
+            / self.contention.slowdown(state.machine, load_level(busy), now)
+        if ratio <= 1.0:
+            return 0.0
+        return sum(min(other.queue.queue_time(now) * (ratio - 1.0),
+                       busy_s * (1.0 - 1.0 / ratio)) for other in neighbours)
 
     def typical_prompt(self, default: int) -> int:
         return round(sum(self.recent_prompts) / len(self.recent_prompts)) \

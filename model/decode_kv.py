@@ -77,25 +77,31 @@ class SeqKV:
         if start == position:
             return
         bs = kv_pages.shape[3]
-        first, last = start // bs, -(-position // bs)
-        slabs = torch.index_select(kv_pages, 0, block_table[first:last])
-        # [n, layers, 2, bs, kvh, hd] seen as [layers, 2, kvh, n, bs, hd],
-        # copied as whole pages straight into the mirror (a reshape to
-        # positions first cost one copy more: 1.4 -> 0.8-1.0 ms for 1,100
-        # tokens of the benchmark model).  Whole pages also rewrite [page
-        # start, start), which already equals the pages (the invariant), and
-        # the last page's rest past `position`, which is unfilled and so never
-        # read before a put or sync rewrites it.  A last page running past the
-        # capacity is cut there.
-        pages_view = slabs.permute(1, 2, 4, 0, 3, 5)
-        off, n = first * bs, last - first
-        whole = min(n, (self.capacity - off) // bs)
-        if whole:
-            self.kv[:, :, :, off:off + whole * bs].unflatten(3, (whole, bs)).copy_(
-                pages_view[:, :, :, :whole])
-        if whole < n:
-            tail = off + whole * bs
-            self.kv[:, :, :, tail:].copy_(pages_view[:, :, :, whole, :self.capacity - tail])
+        first = start // bs
+        ids = block_table[first:-(-position // bs)].tolist()
+        # Each run of consecutive page ids is one slice of the pages, seen as
+        # [layers, 2, kvh, pages, bs, hd] and copied as whole pages straight
+        # into the mirror: no gathered copy in between, which doubled the
+        # memory traffic of a long prompt's first step.  Whole pages also
+        # rewrite [page start, start), which already equals the pages (the
+        # invariant), and the last page's rest past `position`, which is
+        # unfilled and so never read before a put or sync rewrites it.  The
+        # last page, where it runs past the capacity, is cut there.
+        i = 0
+        while i < len(ids):
+            j = i + 1
+            while j < len(ids) and ids[j] == ids[j - 1] + 1:
+                j += 1
+            run = kv_pages[ids[i]:ids[i] + (j - i)].permute(1, 2, 4, 0, 3, 5)
+            off = (first + i) * bs
+            whole = min(j - i, (self.capacity - off) // bs)
+            if whole:
+                self.kv[:, :, :, off:off + whole * bs].unflatten(3, (whole, bs)).copy_(
+                    run[:, :, :, :whole])
+            if whole < j - i:   # only the sequence's last page can pass the capacity
+                tail = off + whole * bs
+                self.kv[:, :, :, tail:].copy_(run[:, :, :, whole, :self.capacity - tail])
+            i = j
         self.filled = position
 
     def put(self, layer: int, position: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -131,13 +131,18 @@ def test_mirrored_steps_give_the_gathered_steps_logits_bit_for_bit(any_weights):
     (40, 5, 37),    # from inside a page: its first 5 positions rewritten as they were
     (40, 0, 3),     # inside the first page
 ])
-def test_sync_copies_what_the_pages_hold(capacity, filled, position):
+@pytest.mark.parametrize("table", [
+    [4, 1, 5],      # no two pages in a row: page by page
+    [1, 2, 3],      # one run of consecutive pages: one slice
+    [4, 1, 2],      # a page, then a run
+    [2, 3, 0],      # a run, then a page
+])
+def test_sync_copies_what_the_pages_hold(capacity, filled, position, table):
     """``SeqKV.sync`` against the pages gathered by hand, whichever path it
     takes: positions [0, position) equal the pages', the positions filled
     before are left as they were."""
     torch.manual_seed(5)
     pages = torch.randn(6, LAYOUT.num_layers, 2, BLOCK, LAYOUT.num_kv_heads, LAYOUT.head_dim)
-    table = [4, 1, 5]                                   # out of order on purpose
     mirror = SeqKV.like_pages(pages, capacity)
     mirror.kv.fill_(float("nan"))
     flat = pages[table].permute(1, 2, 4, 0, 3, 5).reshape(

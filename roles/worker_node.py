@@ -101,6 +101,11 @@ class WorkerNode:
     # for request_id, total_tokens; ApiError when refused): what a
     # PrefillRequest with reserve_here gets.  None on a node that does not decode.
     reserve_here: Callable[[str, int], Any] | None = None
+    # ... and the stream of the tokens it decodes for a request its prefill
+    # here started: written as TokenLines into a prepared NDJSON response
+    # (resp, request_id, prompt_len, first_token), False with nothing written
+    # where that prefill did not start it.  None on a node that does not decode.
+    decode_here: Callable[[Any, str, int, int], Awaitable[bool]] | None = None
     # The most whole blocks computed within prefill.interleave_tbt_share of
     # the TBT SLO, at least the fewest whose fixed per-chunk cost (measured
     # at warm-up) stays within prefill.interleave_overhead of the chunk's

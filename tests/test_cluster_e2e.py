@@ -155,7 +155,14 @@ def test_colocated_node_matches_the_reference_too(local_cluster):
     colo = local_cluster(colocated=1)
     prompt = tokens(50, seed=11)
     expected = reference_greedy("tiny", prompt, 8)
+
+    def streamed() -> int:
+        node = next(c for c in colo.children if c.role == "colocated")
+        return get_json(node.url + "/admin/status")[1]["decode"][
+            "streamed_with_prefill"]
+
     for attempt in range(2):  # then with its own prefix cache
+        before = streamed()
         status, body = complete(colo.url, prompt, max_tokens=8)
         assert status == 200, body
         trace = trace_of(colo.url, body)
@@ -163,8 +170,17 @@ def test_colocated_node_matches_the_reference_too(local_cluster):
         assert trace["output_token_ids"] == expected
         assert trace["cached_tokens"] == (0 if attempt == 0 else 48)
         # No reservation round trip: the node reserved its decode pages as it
-        # took the prefill (PrefillRequest.reserve_here).
+        # took the prefill (PrefillRequest.reserve_here), and no DecodeStart
+        # one: the tokens came on the prefill's own answer (stream_decode).
         assert trace["reserve_s"] == 0.0
+        assert streamed() == before + 1
+    # A first token that ends the request: the answer's stream is closed
+    # unread, and the reservation goes with it.
+    status, body = complete(colo.url, tokens(30, seed=13), max_tokens=1)
+    assert status == 200, body
+    assert trace_of(colo.url, body)["output_token_ids"] == reference_greedy(
+        "tiny", tokens(30, seed=13), 1)
+    wait_until(lambda: not leaked(colo), 10, what="pages released after a one-token reply")
     assert leaked(colo) == {}
     # A client gone mid-stream frees that reservation too.
     body = {"model": "tiny", "prompt": tokens(40, seed=12), "max_tokens": 2000,

@@ -541,6 +541,11 @@ class PrefillRequest(Message):
     # the prefill node starts the decode there itself once the KV has
     # landed (DecodeStartFromPrefill).  None: the conductor's start only.
     decode_url: str | None = wire(optional(name), None, omit_none=True)
+    # With reserve_here: the reply is the first line of an NDJSON stream
+    # that goes on with the TokenLines this node decodes (the conductor's
+    # DecodeStart round trip saved); it ends after the reply where the
+    # node did not start the decode itself (the conductor then sends it).
+    stream_decode: bool = wire(boolean, False, omit_zero=True)
 
     @classmethod
     def from_wire(cls, obj: Any, where: str | None = None, *,
@@ -552,6 +557,9 @@ class PrefillRequest(Message):
         if (req.decode is None) == (req.reserve_here == 0):
             raise MessageError(f"{where}.decode", "expected a decode reservation or "
                                "reserve_here tokens (exactly one)")
+        if req.stream_decode and (req.decode is not None or req.cpp is not None):
+            raise MessageError(f"{where}.stream_decode", "only a prefill that reserves its "
+                               "decode here (reserve_here, no cpp) streams the decode")
         if req.decode is None:
             if req.reserve_here < len(req.token_ids):
                 raise MessageError(f"{where}.reserve_here",
@@ -911,6 +919,8 @@ class NodeLoad(Message):
     # Sequences their prefill started (its own node's, or a peer's once the
     # KV had landed) before the conductor's start attached, since start.
     started_by_prefill: int | None = reported(integer())
+    # ... and of those, read on the prefill's own answer (stream_decode).
+    streamed_with_prefill: int | None = reported(integer())
     # Contiguous KV copies of running sequences (decode.contiguous_kv_mb).
     mirrored: int | None = reported(integer())
     mirror_bytes: int | None = reported(integer())

@@ -29,7 +29,8 @@ from model.sampling import SamplingParams
 from mooncaked.node.errors import ApiError
 from mooncaked.node.membership import NodeRecord
 from mooncaked.node.internal_client import (CANCEL_TIMEOUT_S, CONTROL_TIMEOUT_S, RESERVE_TIMEOUT_S,
-                                            UNBOUNDED, InternalCallError, InternalClient)
+                                            STREAM_READ_TIMEOUT_S, UNBOUNDED, InternalCallError,
+                                            InternalClient)
 from mooncaked.node.messages import (CppPlan, DecodeStart, FetchPlan, Message, PrefillBudget,
                                      PrefillReply, PrefillRequest, RequestRef, ReservationGrant,
                                      ReservationRequest, Route, StreamError, decode_line)
@@ -56,6 +57,33 @@ MAX_PREFILL_ATTEMPTS = 3
 # prefill call takes a few milliseconds): the node is asked to reply
 # that much before the predicted TTFT.
 PREFILL_REPLY_ALLOWANCE_S = 0.002
+
+
+@dataclass
+class PrefilledAt:
+    """A prefill's reply, and for a stream_decode prefill its answer still
+    open on the tokens the node decodes next (None otherwise)."""
+
+    reply: PrefillReply
+    stream: AsyncGenerator[Any, None] | None = None
+
+    async def close(self) -> None:
+        if self.stream is not None:
+            await self.stream.aclose()
+
+
+def _reply_then_tokens() -> Callable[[Any], Any]:
+    """The decoder of a stream_decode prefill's lines: its PrefillReply,
+    then TokenLines (or a last StreamError)."""
+    replied = False
+
+    def decode(obj: Any) -> Any:
+        nonlocal replied
+        if replied:
+            return decode_line(obj)
+        replied = True
+        return PrefillReply.from_wire(obj)
+    return decode
 
 
 class PrefillRefused(ApiError):
@@ -191,7 +219,7 @@ class Dispatcher:
         return PrefillBudget(max(0.0, predicted_prefill_s), max(0.0, left))
 
     async def _call_prefill(self, node_id: str, url: str, spec: PrefillRequest,
-                            deadline_s: float) -> PrefillReply:
+                            deadline_s: float) -> PrefilledAt:
         call = asyncio.ensure_future(self._prefill_once(node_id, url, spec, deadline_s))
         calls = self._prefill_calls.setdefault(node_id, set())
         calls.add(call)
@@ -214,10 +242,13 @@ class Dispatcher:
             self._abandoned.pop(call, None)
 
     async def _prefill_once(self, node_id: str, url: str, spec: PrefillRequest,
-                            deadline_s: float) -> PrefillReply:
+                            deadline_s: float) -> PrefilledAt:
         try:
-            return await self.client.call(url + Route.PREFILL, spec, PrefillReply.from_wire,
-                                          what="prefill", timeout=deadline_s)
+            if not spec.stream_decode:
+                return PrefilledAt(await self.client.call(
+                    url + Route.PREFILL, spec, PrefillReply.from_wire, what="prefill",
+                    timeout=deadline_s))
+            return await self._prefill_streamed(url, spec, deadline_s)
         except InternalCallError as exc:
             if (exc.refused or exc.lost) and self.cluster.registry.declare_dead(node_id):
                 # A killed node refuses connections (or resets the kept-alive
@@ -231,6 +262,30 @@ class Dispatcher:
             if exc.refused or exc.lost:
                 raise PrefillRefused(error.status, error.message, maybe_started=exc.lost) from None
             raise error from None
+
+    async def _prefill_streamed(self, url: str, spec: PrefillRequest,
+                                deadline_s: float) -> PrefilledAt:
+        """A stream_decode prefill: its reply, the first line, within the
+        deadline, and the stream left open on the tokens that follow."""
+        # A silent stretch of the answer is the prefill's queue and compute
+        # before the reply (bounded below), then the spacing of its tokens.
+        lines = self.client.stream(url + Route.PREFILL, spec, _reply_then_tokens(),
+                                   what="prefill",
+                                   read_timeout=max(deadline_s, STREAM_READ_TIMEOUT_S))
+        try:
+            try:
+                async with asyncio.timeout(deadline_s):
+                    reply = await anext(lines)
+            except TimeoutError:
+                raise InternalCallError(url + Route.PREFILL, "prefill",
+                                        f"no reply within {deadline_s:.0f}s") from None
+            except StopAsyncIteration:
+                raise InternalCallError(url + Route.PREFILL, "prefill",
+                                        "the answer ended before the reply") from None
+        except BaseException:
+            await lines.aclose()
+            raise
+        return PrefilledAt(reply, lines)
 
     def _note_decision(self, trace: RequestTrace, decision) -> NodeRecord | None:
         """Record the plan in the trace; the node to pull the prefix from, if any."""
@@ -365,6 +420,9 @@ class Dispatcher:
         booked = True
         # The decode node's token stream, and its first line requested ahead.
         decode_stream: AsyncGenerator[Token, None] | None = None
+        # A stream_decode prefill's answer, open on the tokens after its reply
+        # until the decode stream takes it.
+        prefill_stream: AsyncGenerator[Any, None] | None = None
         next_line: asyncio.Future | None = None
         self.metrics.running.inc()
         try:
@@ -392,6 +450,9 @@ class Dispatcher:
                 spec = PrefillRequest(
                     request_id, token_ids, keys, decode=reservation, sampling=sampling,
                     reserve_here=len(token_ids) + sampling.max_tokens if folded else 0,
+                    # The node that decodes it here streams its tokens on the
+                    # reply: no DecodeStart round trip before the second token.
+                    stream_decode=folded,
                     fetch=None if source is None else FetchPlan(source.url,
                                                                 decision.transfer.to_block),
                     cpp=CppPlan(stage_urls) if stage_urls else None,
@@ -413,13 +474,14 @@ class Dispatcher:
                     call = asyncio.ensure_future(self._call_prefill(
                         prefill.node_id, prefill.url, spec,
                         self.prefill_deadline_s(decision.predicted_ttft_s)))
+                    prefilled: PrefilledAt | None = None
                     try:
                         if attempt == 1:
                             # One Scheduled per request: its headers describe the
                             # first plan; a rerouted request's final nodes are in
                             # /admin/requests.
                             yield self._scheduled(request_id, decision, trace)
-                        result = await call
+                        prefilled = await call
                     finally:
                         # The consumer closed us at the yield (or we were
                         # cancelled): the call goes too; the node's job is
@@ -427,6 +489,10 @@ class Dispatcher:
                         if not call.done():
                             call.cancel()
                             await asyncio.wait([call])
+                        elif prefilled is None and not call.cancelled() \
+                                and call.exception() is None:
+                            await call.result().close()   # its reply came, unread
+                    result, prefill_stream = prefilled.reply, prefilled.stream
                     trace.prefill_rpc_s = time.perf_counter() - t
                     break
                 except PrefillRefused as exc:
@@ -478,7 +544,9 @@ class Dispatcher:
                 # client, not after its write: the decode node can take the
                 # request into its next step while the conductor writes.
                 decode_stream = self._decode_stream(decode.url, request_id, token_ids,
-                                                    first, sampling, trace, t0)
+                                                    first, sampling, trace, t0,
+                                                    prefill_stream)
+                prefill_stream = None   # the decode stream reads (and closes) it
                 next_line = asyncio.ensure_future(anext(decode_stream))
             yield Token(first, result.logprob, trace.cached_tokens, finish,
                         result.top_logprobs or ())
@@ -510,6 +578,8 @@ class Dispatcher:
                 await asyncio.wait([next_line])
             if decode_stream is not None:
                 await decode_stream.aclose()
+            if prefill_stream is not None:
+                await prefill_stream.aclose()
             self.metrics.running.dec()
             now = time.monotonic()
             if not prefill_done:
@@ -592,27 +662,48 @@ class Dispatcher:
             self.metrics.transfer_bytes(nbytes)
 
     async def _decode_stream(self, url: str, request_id: str, token_ids: list[int], first: int,
-                             sampling: SamplingParams, trace: RequestTrace,
-                             t0: float) -> AsyncIterator[Token]:
-        start = DecodeStart(request_id, len(token_ids), first, sampling,
-                            token_ids if sampling.needs_prompt else None)
+                             sampling: SamplingParams, trace: RequestTrace, t0: float,
+                             prefill_stream: AsyncGenerator[Any, None] | None = None
+                             ) -> AsyncIterator[Token]:
+        """The request's tokens after the first: read on from
+        ``prefill_stream`` (a stream_decode prefill's answer) when given;
+        where that ends before any token (the node did not start the decode
+        itself), or without one, from the decode node's generate stream."""
         t_decode = time.perf_counter()
         try:
+            if prefill_stream is not None:
+                read = 0
+                async with contextlib.aclosing(prefill_stream) as lines:
+                    async for line in lines:
+                        read += 1
+                        token = self._token(line, trace, t0)
+                        yield token
+                        if token.finish_reason:
+                            return
+                if read:
+                    raise ApiError(502, "decode stream ended before the request finished")
+            start = DecodeStart(request_id, len(token_ids), first, sampling,
+                                token_ids if sampling.needs_prompt else None)
             # aclosing: leaving the loop early closes the stream (and its connection) at once.
             async with contextlib.aclosing(self.client.stream(
                     url + Route.DECODE_GENERATE, start, decode_line, what="decode")) as lines:
                 async for line in lines:
-                    if isinstance(line, StreamError):
-                        raise ApiError(502, f"decode node ended the stream: {line.error}")
-                    trace.token_times.append(time.perf_counter() - t0)
-                    trace.output_token_ids.append(line.token)
-                    yield Token(line.token, line.logprob, trace.cached_tokens, line.finish_reason,
-                                line.top_logprobs or ())
-                    if line.finish_reason:
-                        break
-                else:
-                    raise ApiError(502, "decode stream ended before the request finished")
+                    token = self._token(line, trace, t0)
+                    yield token
+                    if token.finish_reason:
+                        return
+            raise ApiError(502, "decode stream ended before the request finished")
         except InternalCallError as exc:
             raise exc.to_api_error() from None
         finally:
             trace.decode_s = time.perf_counter() - t_decode
+
+    @staticmethod
+    def _token(line: Any, trace: RequestTrace, t0: float) -> Token:
+        """A decode stream's line as the client's next token (a StreamError: 502)."""
+        if isinstance(line, StreamError):
+            raise ApiError(502, f"decode node ended the stream: {line.error}")
+        trace.token_times.append(time.perf_counter() - t0)
+        trace.output_token_ids.append(line.token)
+        return Token(line.token, line.logprob, trace.cached_tokens, line.finish_reason,
+                     line.top_logprobs or ())

@@ -85,6 +85,15 @@ async def generate(request: web.Request) -> web.StreamResponse:
                else ApiError(400, f"bad generate request: {exc}")) from None
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await resp.prepare(request)
+    await write_tokens(resp, batcher, request_id, queue)
+    return resp
+
+
+async def write_tokens(resp: web.StreamResponse, batcher: DecodeBatcher, request_id: str,
+                       queue: asyncio.Queue) -> None:
+    """A TokenLine per token of ``queue`` (a sequence's tokens) into the
+    prepared NDJSON ``resp``, or a last StreamError when it is released
+    first; the sequence is released once its stream ends, however it ends."""
     reason = "client gone"
     try:
         while True:
@@ -106,7 +115,6 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise
     finally:
         batcher.release(request_id, reason)
-    return resp
 
 
 async def start_from_prefill(request: web.Request) -> web.Response:
@@ -166,6 +174,16 @@ def add_decode_service(app: web.Application, ctx: NodeContext) -> None:
             batcher.start(rid, prompt_len, first, sampling, prompt_ids, early=True)
         worker.reserve_here = lambda rid, total_tokens: reserve_pages(
             worker, batcher, rid, total_tokens, "prefill.reserve_here")
+
+        async def decode_here(resp: web.StreamResponse, rid: str, prompt_len: int,
+                              first: int) -> bool:
+            queue = batcher.attach_early(rid, prompt_len, first)
+            if queue is None:
+                return False
+            await write_tokens(resp, batcher, rid, queue)
+            return True
+
+        worker.decode_here = decode_here
         batcher.run()
         ctx.load_providers.append(batcher.load)
         ctx.status_providers["decode"] = lambda: batcher.load().to_wire()

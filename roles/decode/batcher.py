@@ -132,6 +132,7 @@ class DecodeBatcher:
         self.tokens_out = 0
         self.steps = 0
         self.started_by_prefill = 0
+        self.streamed_with_prefill = 0   # of those, read on the prefill's answer
         # Invariant: mirror_bytes == the sum of the running sequences' mirrors'
         # nbytes <= mirror_budget (0: no mirrors).
         self.mirror_budget = contiguous_kv_bytes
@@ -232,6 +233,22 @@ class DecodeBatcher:
         else:
             self.waiting.append(seq)
             self._wake.set()
+        return seq.out
+
+    def attach_early(self, request_id: str, prompt_len: int, first_token: int
+                     ) -> asyncio.Queue | None:
+        """The tokens of a sequence its prefill on this node started
+        (``start(early=True)``) with this prompt length and first token,
+        for a reader that takes them in place of the conductor's own start
+        (the prefill's answer streamed on, PrefillRequest.stream_decode); None, and
+        nothing changed, where there is no such sequence unread: the
+        conductor's start then starts it or reports why not."""
+        seq = self.seqs.get(request_id)
+        if seq is None or not seq.started or seq.attached or not seq.tokens \
+                or (prompt_len, first_token) != (seq.prompt_len, seq.tokens[0]):
+            return None
+        seq.attached = True
+        self.streamed_with_prefill += 1
         return seq.out
 
     def _emit(self, seq: Sequence, token: int, logprob: float, stream: bool = True,
@@ -374,6 +391,7 @@ class DecodeBatcher:
             context_tokens=sum(s.position + 1 for s in self.running),
             tokens_out=self.tokens_out, steps=self.steps,
             started_by_prefill=self.started_by_prefill,
+            streamed_with_prefill=self.streamed_with_prefill,
             # Contiguous KV copies of running sequences (decode.contiguous_kv_mb).
             mirrored=sum(s.mirror is not None for s in self.running),
             mirror_bytes=self.mirror_bytes, mirror_budget_bytes=self.mirror_budget,

@@ -2,7 +2,9 @@
 
 POST /internal/prefill          PrefillRequest -> PrefillReply: run a prefill (on a
                                 colocated node, reserving its decode pages first when
-                                the request says reserve_here)
+                                the request says reserve_here; with stream_decode too,
+                                an NDJSON stream: the reply, then a TokenLine per
+                                token decoded here, or a last StreamError)
 POST /internal/prefill/cancel   RequestRef -> Cancelled
 POST /internal/store/prefetch   PrefetchRequest -> PrefetchReply: replicate a prefix here
 POST /internal/cpp/*            the pipeline stage endpoints (roles.prefill.cpp_routes)
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import orjson
 from aiohttp import web
 
 from kvstore.shard import StoreFullError
@@ -34,7 +37,7 @@ PREFILL = web.AppKey("prefill", PrefillService)
 PUSHER = web.AppKey("pusher", CacheEventPusher)
 
 
-async def prefill(request: web.Request) -> web.Response:
+async def prefill(request: web.Request) -> web.StreamResponse:
     worker = request.app[WORKER]
     spec = await read_message(request, PrefillRequest, 64 << 20, block_size=worker.layout.block_size)
     if spec.decode is None:
@@ -69,7 +72,26 @@ async def prefill(request: web.Request) -> web.Response:
         request.app[PUSHER].kick()
     else:
         await request.app[PUSHER].flush()
-    return reply(result)
+    if not spec.stream_decode:
+        return reply(result)
+    return await _reply_then_decode(request, worker, spec, result)
+
+
+async def _reply_then_decode(request: web.Request, worker: WorkerNode, spec: PrefillRequest,
+                             result) -> web.StreamResponse:
+    """The reply as the first NDJSON line, then the tokens this node decodes
+    for the request (PrefillRequest.stream_decode): the second token leaves
+    with the first decode step, not after the conductor's DecodeStart has
+    come and attached.  Ends after the reply where this node's prefill did
+    not start the decode (decode_here: nothing to read)."""
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await resp.prepare(request)
+    await resp.write(orjson.dumps(result.to_wire()) + b"\n")
+    assert worker.decode_here is not None   # stream_decode comes with reserve_here
+    if not await worker.decode_here(resp, spec.request_id, len(spec.token_ids),
+                                    result.first_token):
+        await resp.write_eof()
+    return resp
 
 
 async def check_decode_target(worker: WorkerNode, grant: ReservationGrant) -> None:

@@ -240,9 +240,9 @@ class DecodeBatcher:
         """The tokens of a sequence its prefill on this node started
         (``start(early=True)``) with this prompt length and first token,
         for a reader that takes them in place of the conductor's own start
-        (the prefill's answer streamed on, PrefillRequest.stream_decode); None, and
-        nothing changed, where there is no such sequence unread: the
-        conductor's start then starts it or reports why not."""
+        (the prefill's answer streamed on, PrefillRequest.stream_decode);
+        None, and nothing changed, where there is no such sequence unread:
+        the conductor's start then starts it or reports why not."""
         seq = self.seqs.get(request_id)
         if seq is None or not seq.started or seq.attached or not seq.tokens \
                 or (prompt_len, first_token) != (seq.prompt_len, seq.tokens[0]):

@@ -22,8 +22,8 @@ from kvstore.shard import StoreFullError
 from mooncaked.node.errors import ApiError
 from mooncaked.node.context import NodeContext
 from mooncaked.node.internal_client import read_message, reply
-from mooncaked.node.messages import (Cancelled, PrefetchReply, PrefetchRequest, PrefillRequest,
-                                     RequestRef, ReservationGrant, Route)
+from mooncaked.node.messages import (Cancelled, PrefetchReply, PrefetchRequest, PrefillReply,
+                                     PrefillRequest, RequestRef, ReservationGrant, Route)
 from roles.cache_sync import CacheEventPusher
 from roles.prefill.cpp_routes import CPP_STAGES, CppStages, add_cpp_routes
 from roles.prefill.job import PrefillCancelled, prefetch
@@ -78,7 +78,7 @@ async def prefill(request: web.Request) -> web.StreamResponse:
 
 
 async def _reply_then_decode(request: web.Request, worker: WorkerNode, spec: PrefillRequest,
-                             result) -> web.StreamResponse:
+                             result: PrefillReply) -> web.StreamResponse:
     """The reply as the first NDJSON line, then the tokens this node decodes
     for the request (PrefillRequest.stream_decode): the second token leaves
     with the first decode step, not after the conductor's DecodeStart has

@@ -420,8 +420,9 @@ class Dispatcher:
         booked = True
         # The decode node's token stream, and its first line requested ahead.
         decode_stream: AsyncGenerator[Token, None] | None = None
-        # A stream_decode prefill's answer, open on the tokens after its reply
-        # until the decode stream takes it.
+        # A stream_decode prefill's answer, open on the tokens after its reply:
+        # the decode stream reads it; closed on the way out in any case (a
+        # decode stream closed before it ran never took it).
         prefill_stream: AsyncGenerator[Any, None] | None = None
         next_line: asyncio.Future | None = None
         self.metrics.running.inc()
@@ -546,7 +547,6 @@ class Dispatcher:
                 decode_stream = self._decode_stream(decode.url, request_id, token_ids,
                                                     first, sampling, trace, t0,
                                                     prefill_stream)
-                prefill_stream = None   # the decode stream reads (and closes) it
                 next_line = asyncio.ensure_future(anext(decode_stream))
             yield Token(first, result.logprob, trace.cached_tokens, finish,
                         result.top_logprobs or ())

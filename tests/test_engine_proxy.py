@@ -144,8 +144,11 @@ def test_engine_specs_and_metrics_parse():
     spec = EngineSpec.parse("http://h:8000/,events=tcp://h:5557,block_size=16")
     assert (spec.url, spec.events, spec.block_size, spec.name) == \
         ("http://h:8000", "tcp://h:5557", 16, "h:8000")
+    assert EngineSpec.parse("http://h:8000,step_tokens=8192").step_tokens == 8192
+    assert EngineSpec.parse("http://h:8000").step_tokens is None
     for bad in ("h:8000", "http://h:1,events=h:2", "http://h:1,replay=tcp://h:2",
-                "http://h:1,color=red"):
+                "http://h:1,color=red", "http://h:1,step_tokens=0",
+                "http://h:1,step_tokens=many"):
         with pytest.raises(EngineSpecError):
             EngineSpec.parse(bad)
     # A comma-separated --set / env value is split by the config loader; the section rejoins it.

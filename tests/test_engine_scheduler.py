@@ -460,3 +460,119 @@ def test_a_full_kv_cache_delays_the_start_until_decoding_requests_finish():
     # Unknown cache size: no wait is priced.
     a.capacity_blocks = None
     assert sched.start_wait_s(a, 1.0, 300, (), 100) == 0.0
+
+
+# A prefill model with a fixed part: 10 ms a prefill + 1 ms per computed token.
+STEP_FIXED = {"c0": 0.010, "n": 1e-3}
+
+
+class RecordedPrefill(PolynomialPrefillEstimator):
+    """The fixed prefill model above, recording what it is fed (no refit)."""
+
+    def __init__(self) -> None:
+        super().__init__(STEP_FIXED)
+        self.fed: list[tuple[int, int, float]] = []
+
+    def observe(self, prompt_tokens: int, prefix_tokens: int, seconds: float) -> None:
+        self.fed.append((prompt_tokens, prefix_tokens, seconds))
+
+    def fork(self) -> "RecordedPrefill":
+        return RecordedPrefill()
+
+
+def make_stepped(step_tokens=None) -> EngineScheduler:
+    sched = EngineScheduler(SchedulerConfig(ttft_slo_s=10.0, residual_half_life_s=1e9),
+                            RecordedPrefill(), DecodeEstimator(0.01, 0.002, 0.0))
+    sched.add_engine("a", step_tokens=step_tokens)
+    return sched
+
+
+def test_behind_work_at_the_engine_a_prefill_adds_its_marginal_work():
+    sched = make_stepped()
+    # r1 finds the engine idle and pays its prefill whole: 10 + 100 ms.
+    r1 = sched.schedule("r1", 100, {}, now=0.0)
+    assert (r1.overlap_s, r1.step_leader, r1.t_queue) == (0.0, None, 0.0)
+    assert r1.t_prefill == pytest.approx(0.11)
+    # r2 comes while r1's step runs: it leads the next step, after r1's 100
+    # ms left; its fixed 10 ms overlap r1's work.
+    r2 = sched.schedule("r2", 100, {}, now=0.01)
+    assert (r2.overlap_s, r2.step_leader) == (pytest.approx(0.01), None)
+    assert (r2.t_queue, r2.t_prefill) == (pytest.approx(0.1), pytest.approx(0.1))
+    # r3 comes while r2's step waits and joins it: 50 ms of its own, after
+    # r1's 90 ms left and r2's 100.
+    r3 = sched.schedule("r3", 50, {}, now=0.02)
+    assert (r3.overlap_s, r3.step_leader) == (pytest.approx(0.01), "r2")
+    assert (r3.t_queue, r3.t_prefill) == (pytest.approx(0.19), pytest.approx(0.05))
+    assert r3.predicted_ttft_s == pytest.approx(0.24)
+    # Once r1's first token is back r2's step runs: r4 leads the next.
+    sched.on_first_token("a", "r1", now=0.12)
+    r4 = sched.schedule("r4", 10, {}, now=0.13)
+    assert (r4.overlap_s, r4.step_leader) == (pytest.approx(0.01), None)
+    # With nothing of ours left there, a prefill is whole again.
+    for rid in ("r2", "r3", "r4"):
+        sched.on_first_token("a", rid, now=0.5)
+    assert sched.schedule("r5", 10, {}, now=0.6).t_prefill == pytest.approx(0.02)
+
+
+def test_the_fixed_part_overlaps_no_more_than_the_work_ahead():
+    sched = make_stepped()
+    sched.schedule("r1", 100, {}, now=0.0)
+    # 5 ms of r1's 110 left: 5 of the next prefill's fixed 10 ms overlap
+    # them, so it is priced as on an idle engine, 10 + 100 ms.
+    d = sched.schedule("r2", 100, {}, now=0.105)
+    assert (d.t_queue, d.overlap_s) == (pytest.approx(0.005), pytest.approx(0.005))
+    assert d.predicted_ttft_s == pytest.approx(0.11)
+
+
+def test_a_step_past_the_engine_budget_is_not_joined():
+    sched = make_stepped(step_tokens=120)
+    sched.schedule("r1", 100, {}, now=0.0)
+    sched.schedule("r2", 100, {}, now=0.0)
+    # r2's step holds 100 of the engine's 120 tokens: 50 more start a step
+    # of their own (still behind r1 and r2: 50 ms).
+    r3 = sched.schedule("r3", 50, {}, now=0.0)
+    assert (r3.step_leader, r3.t_prefill) == (None, pytest.approx(0.05))
+    # 20 more fit beside r3, the youngest step's leader now.
+    assert sched.schedule("r4", 20, {}, now=0.0).step_leader == "r3"
+    with pytest.raises(ValueError):
+        sched.add_engine("b", step_tokens=0)
+
+
+def test_a_step_is_measured_once_and_shared_by_its_requests():
+    sched = make_stepped()
+    fed = sched.engines["a"].prefill_est.fed
+    sched.schedule("r1", 100, {}, now=0.0)
+    sched.schedule("r2", 100, {}, now=0.01)
+    sched.schedule("r3", 50, {}, now=0.02)      # joins r2's step
+    sched.on_first_token("a", "r1", now=0.12)
+    # r1's step ran alone from its send: 120 ms against 110 predicted.
+    assert fed == [(100, 0, pytest.approx(0.12))]
+    # r3's answer comes back first: the step ran from r1's first token,
+    # 180 ms, predicted 100 + 50 ms (both behind r1: no fixed part); each
+    # of its requests is fed its time alone scaled by 180 / 150.
+    sched.on_first_token("a", "r3", now=0.30)
+    sched.on_first_token("a", "r2", now=0.301)
+    assert fed[1:] == [(100, 0, pytest.approx(0.11 * 1.2)), (50, 0, pytest.approx(0.06 * 1.2))]
+    # Each answer still has its own TTFT error: r3 predicted 0.24 s, took 0.28.
+    assert sched.status(now=0.31)["ttft_error"]["count"] == 3
+    assert sched.engines["a"].requests["r3"].ttft_s == pytest.approx(0.28)
+
+
+def test_a_step_booked_as_marginal_work_leaves_the_late_ratios_alone():
+    sched = make_stepped()
+    a = sched.engines["a"]
+    sched.schedule("r1", 100, {}, now=0.0)
+    sched.schedule("r2", 1, {}, now=0.0)     # behind r1: 1 ms booked
+    sched.on_first_token("a", "r1", now=0.11)
+    # r2's step took 20 ms against its 1 ms booked: 20x is no measure of how
+    # late a whole prefill runs.
+    sched.on_first_token("a", "r2", now=0.13)
+    assert list(a.queue.late_ratios) == [pytest.approx(1.0)]
+    # So a request 10 ms past its 110 ms is priced with the rest whole
+    # prefills needed when that late (none: as much again, at most its
+    # estimate), not 20x its estimate.
+    for rid in ("r1", "r2"):
+        sched.on_finished("a", rid, now=0.15)
+    sched.schedule("r3", 100, {}, now=0.2)
+    d = sched.schedule("r4", 10, {}, now=0.32)
+    assert d.t_queue == pytest.approx(0.01)

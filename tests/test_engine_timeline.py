@@ -17,6 +17,20 @@ def test_without_a_cache_size_the_prefills_ahead_run_first_each_with_a_decode_st
     assert start_after_s(None, [], [], 100, step_s=0.01) == 0.0
 
 
+def test_a_request_sharing_the_step_before_it_adds_its_work_and_no_decode_step():
+    # The second is prefilled in the first's step: 0.2 + a decode step
+    # (10 ms) for the step, + 0.05 of its own work.
+    queued = [Queued(0.2, 5, 5, 4), Queued(0.05, 5, 5, 4, shares_step=True)]
+    assert start_after_s(None, [Decoding(3, 10)], queued, 100, step_s=0.01) == \
+        pytest.approx(0.26)
+    # A cache of 20 blocks: the new request's 12 fit once the first of the
+    # two (3 tokens left after their steps) ends, 2 decode steps later:
+    # 0.2 + 0.01 (its step, with the decode), 0.05 (the second's work, in
+    # the same step), then 2 x 0.01.
+    assert start_after_s(20, [Decoding(3, 10)], queued, 12, step_s=0.01) == \
+        pytest.approx(0.28)
+
+
 def test_a_full_cache_waits_for_decoding_requests_to_end():
     decoding = [Decoding(30, 5), Decoding(10, 2), Decoding(20, 3)]
     # 60 of 64 held, 4 free: covers 4, not 10.  At 0.1 s a step: the

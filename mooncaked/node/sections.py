@@ -132,7 +132,7 @@ class ConductorSection:
     residual_min_samples: int = 8
     # OpenAI-compatible engines (vLLM) that serve the OpenAI routes instead of
     # this cluster's own nodes, each
-    # "URL[,events=tcp://HOST:PORT][,replay=tcp://HOST:PORT][,block_size=N]";
+    # "URL[,events=tcp://HOST:PORT][,replay=tcp://HOST:PORT][,block_size=N][,step_tokens=N]";
     # their KV events are found at URL/kv_event_sources unless given (docs/engines.md).
     engines: list[str] = field(default_factory=list)
     # Nice for every thread of a conductor in front of engines, and for its

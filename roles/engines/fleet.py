@@ -57,12 +57,15 @@ class EngineSpecError(ValueError):
 @dataclass(frozen=True)
 class EngineSpec:
     """One ``conductor.engines`` entry:
-    ``URL[,events=tcp://H:P][,replay=tcp://H:P][,block_size=N]``."""
+    ``URL[,events=tcp://H:P][,replay=tcp://H:P][,block_size=N][,step_tokens=N]``
+    (``step_tokens``: the most prompt tokens one engine step prefills, the
+    engine's --max-num-batched-tokens; default the scheduler's)."""
 
     url: str
     events: str | None = None
     replay: str | None = None
     block_size: int | None = None
+    step_tokens: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> "EngineSpec":
@@ -73,12 +76,14 @@ class EngineSpec:
         kw: dict = {}
         for opt in options:
             key, sep, value = opt.partition("=")
-            if not sep or key not in ("events", "replay", "block_size") or key in kw:
+            if not sep or key not in ("events", "replay", "block_size", "step_tokens") \
+                    or key in kw:
                 raise EngineSpecError(f"engine {text!r}: unknown or repeated option {opt!r}; "
-                                      "give events=tcp://HOST:PORT, replay=..., block_size=N")
-            if key == "block_size":
+                                      "give events=tcp://HOST:PORT, replay=..., block_size=N, "
+                                      "step_tokens=N")
+            if key in ("block_size", "step_tokens"):
                 if not value.isdigit() or int(value) < 1:
-                    raise EngineSpecError(f"engine {text!r}: block_size must be a positive integer")
+                    raise EngineSpecError(f"engine {text!r}: {key} must be a positive integer")
                 kw[key] = int(value)
             elif not value.startswith(("tcp://", "ipc://")):
                 raise EngineSpecError(f"engine {text!r}: {key} must be a tcp:// or ipc:// endpoint")
@@ -224,7 +229,7 @@ class EngineFleet:
         self._wake: dict[str, asyncio.Event] = {}
         self._tokenizers = TokenizerCache()
         for name, engine in self.engines.items():
-            scheduler.add_engine(name, engine.spec.machine)
+            scheduler.add_engine(name, engine.spec.machine, engine.spec.step_tokens)
             scheduler.mark_dead(name)   # until discovery says otherwise
 
     def start(self) -> None:
@@ -346,7 +351,8 @@ class EngineFleet:
         engine.max_model_len = _max_model_len(models["data"][0])
         engine.publishers = [p.key for p in publishers]
         engine.alive, engine.last_metrics = True, metrics
-        self.scheduler.add_engine(engine.name, engine.spec.machine)   # a fresh start: no bookings, own fit anew
+        # A fresh start: no bookings, its own fit anew.
+        self.scheduler.add_engine(engine.name, engine.spec.machine, engine.spec.step_tokens)
         self.scheduler.on_metrics(engine.name, metrics.running, metrics.waiting,
                                   metrics.kv_usage, time.monotonic(),
                                   capacity_blocks=metrics.num_blocks)

@@ -1,7 +1,8 @@
 """What the engine scheduler learns from what its engines did.
 
-A request's first token refits the engine's prefill model on the part of
-its TTFT after it could start and adds its TTFT residual; its finish feeds
+The first answer of an engine step refits the engine's prefill model on
+the step's time (every request it prefilled, after it could start), and
+each request's first token adds its TTFT residual; its finish feeds
 the engine's decode model and, with whether it met both SLOs, the admission
 quantile; the engine's /metrics say what other clients have there;
 ``status`` shows what was learned.  A mixin of EngineScheduler
@@ -32,31 +33,16 @@ class EngineFeedback:
         return req
 
     def on_first_token(self, engine: str, request_id: str, now: float) -> None:
-        """The first token came back: refit the engine's prefill time on the
-        part of the TTFT after the request could start (FIFO: after the
-        previous first token there), and record the TTFT residual."""
+        """The first token came back: the first of its engine step's to come
+        back measures the step (``_measure_step``), and its TTFT residual is
+        recorded."""
         state = self.engines.get(engine)
-        booking = state.queue.pending.get(request_id) if state else None
-        req = self._started(state, request_id, now) if state else None
-        if req is None or booking is None:
+        req = state.requests.get(request_id) if state else None
+        if req is None or request_id not in state.queue.pending or req.first_token_at is not None:
             return
-        service = now - max(req.sent_at, state.last_first_token_at)
-        state.last_first_token_at = now
-        if booking.estimate_s > 0:
-            state.queue.late_ratios.append(service / booking.estimate_s)
-        if service > 0:
-            # The prefill models learn the speed of an engine beside idle
-            # neighbours: the measured time divided by the slowdown learned for
-            # the busy level it ran at.  The sample also feeds that slowdown,
-            # unless the prediction it is compared with is an unfitted prior's.
-            est = self.estimator_for(state)
-            slowdown = self.contention.slowdown(state.machine, req.busy_level, now)
-            if est.fitted_since_fork():
-                self.contention.add(state.machine, req.busy_level, service,
-                                    est.seconds(req.prompt_tokens, req.prefix_tokens), now)
-            alone = service / slowdown
-            state.prefill_est.observe(req.prompt_tokens, req.prefix_tokens, alone)
-            self.prefill_est.observe(req.prompt_tokens, req.prefix_tokens, alone)
+        if not req.step_measured:
+            self._measure_step(state, req.step_leader or request_id, now)
+        self._started(state, request_id, now)
         actual = req.ttft_s = now - req.sent_at
         errors = self._ttft_errors
         errors[0] += 1
@@ -64,6 +50,56 @@ class EngineFeedback:
         errors[2] += abs(req.predicted_ttft_s - actual)
         self.ttft_residuals.add(engine, req.level, actual - req.model_ttft_s, now,
                                 priced_by_prior=req.priced_by_prior)
+
+    def _measure_step(self, state: EngineState, leader: str, now: float) -> None:
+        """Refit the engine's prefill time on the step led by ``leader``
+        (its requests still booked: the leader, if not yet answered, and
+        those that joined it), whose first token came back at ``now``.
+
+        The step ran from when it could start (the leader sent, the step
+        before it answered: FIFO) until now, and prefilled its requests
+        together; a request booked behind other work there paid less of
+        its fixed part (``overlap_s``: it overlapped that work).  Each
+        request's prefill alone is then its predicted time alone scaled by
+        what the step took over what it was predicted to take; the
+        requests' own answers, which come back within moments of each
+        other, measure nothing more."""
+        members = [rid for rid in state.queue.pending
+                   if (state.requests[rid].step_leader or rid) == leader
+                   and not state.requests[rid].step_measured]
+        if not members:
+            return
+        reqs = [state.requests[rid] for rid in members]
+        for r in reqs:
+            r.step_measured = True
+        first = min(r.sent_at for r in reqs)
+        service = now - max(first, state.last_first_token_at)
+        state.last_first_token_at = now
+        booked = sum(state.queue.pending[rid].estimate_s for rid in members)
+        if booked > 0 and not any(r.overlap_s for r in reqs):
+            # What a late prefill still needs is judged by how late whole
+            # prefills ran: a step booked as marginal work only (its fixed
+            # part overlapping work ahead) can run many times its few
+            # booked milliseconds, a ratio that would price every late
+            # request as seconds of work left.
+            state.queue.late_ratios.append(service / booked)
+        est = self.estimator_for(state)
+        alone = [est.seconds(r.prompt_tokens, r.prefix_tokens) for r in reqs]
+        together = sum(t - r.overlap_s for r, t in zip(reqs, alone))
+        if service <= 0 or together <= 0:
+            return
+        # The prefill models learn the speed of an engine beside idle
+        # neighbours: the measured time divided by the slowdown learned for
+        # the busy level it ran at.  The step also feeds that slowdown,
+        # unless the prediction it is compared with is an unfitted prior's.
+        busy_level = state.requests[members[0]].busy_level
+        slowdown = self.contention.slowdown(state.machine, busy_level, now)
+        if est.fitted_since_fork():
+            self.contention.add(state.machine, busy_level, service, together, now)
+        scale = service / (together * slowdown)
+        for r, t in zip(reqs, alone):
+            state.prefill_est.observe(r.prompt_tokens, r.prefix_tokens, t * scale)
+            self.prefill_est.observe(r.prompt_tokens, r.prefix_tokens, t * scale)
 
     def on_tokens(self, engine: str, request_id: str, tokens: int) -> None:
         """``tokens`` of the request's output have streamed back: how far

@@ -125,7 +125,7 @@ class EnginePricing:
                 booking = state.queue.pending[rid]
                 queued.append(Queued(booking.remaining_s(now, use_expected_start=True),
                                      blocks(r.prompt_tokens + 1) - shared, hold,
-                                     max(1, r.output_tokens)))
+                                     max(1, r.output_tokens), r.step_leader is not None))
             else:
                 decoding.append(Decoding(hold, r.output_tokens - r.generated(now, step)))
         # At its start the engine needs its prompt's blocks and the first

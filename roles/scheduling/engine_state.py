@@ -12,6 +12,12 @@ from .decode_estimator import DecodeEstimator
 from .estimators import PrefillEstimator
 from .state import PrefillNodeState
 
+# The prompt tokens one engine step prefills when the engine's own figure
+# is not given: vLLM's OpenAI server default on CPUs (GPU defaults are
+# larger).  Set too low, fewer waiting requests are counted as sharing a
+# step, and those are priced as if each paid a step of its own.
+DEFAULT_STEP_TOKENS = 2048
+
 
 class EngineDecision(NamedTuple):
     """Where a request goes, with the parts of its predicted TTFT."""
@@ -44,6 +50,13 @@ class EngineDecision(NamedTuple):
     # machine's other engines) would take longer with this engine busy too
     # (chosen on, not admitted on): 0 where it already has work.
     contention_s: float = 0.0
+    # The request of ours whose engine step, still waiting to start there,
+    # it joins; None: it starts a step of its own.
+    step_leader: str | None = None
+    # Seconds of its prefill's fixed part left out of t_prefill (before the
+    # slowdown): they overlap work of ours ahead of it there
+    # (EngineScheduler.engine_steps).
+    overlap_s: float = 0.0
 
     @property
     def cost_s(self) -> float:
@@ -79,6 +92,15 @@ class EngineRequest:
     ttft_s: float | None = None   # measured, once its first token came back
     batch: int = 0           # the engine's running batch when it started decoding
     context_tokens: int = 0
+    # The engine step that prefills it (EngineScheduler.engine_steps):
+    # None when it leads one, else the request leading the step it joined.
+    step_leader: str | None = None
+    # Seconds of its prefill's fixed part priced as overlapping work of
+    # ours ahead of it there (EngineDecision.overlap_s).
+    overlap_s: float = 0.0
+    # Its step's first token came back: its prefill time was measured with
+    # its step's (the first of them to answer), not on its own answer.
+    step_measured: bool = False
 
     def generated(self, now: float, step_s: float) -> int:
         """Tokens it has generated once decoding: as streamed back, or for a
@@ -126,6 +148,10 @@ class EngineState:
     foreign_waiting: int = 0
     last_first_token_at: float = -math.inf
     chosen_at: float = -math.inf
+    # The most prompt tokens one engine step prefills (vLLM's
+    # --max-num-batched-tokens): requests waiting together beyond it start
+    # in the next step.
+    step_tokens: int = DEFAULT_STEP_TOKENS
 
     def __post_init__(self) -> None:
         self.queue = PrefillNodeState(self.name)

@@ -20,6 +20,8 @@ The model: the prefills the engine has started run one after another at the
 prefill model's speed, each plus one decode step when requests decode beside
 it, which advances each of them one token (a prompt of the budget's size or
 less is one chunk; longer ones advance decodes more, which this leaves out);
+a prefill that shares the step of the one before it adds its own work and
+no decode step;
 with no prefill to run, the engine decodes until a running request finishes
 and frees its blocks; a waiting request starts as soon as the blocks free
 (not held by running or started requests) cover its need, the oldest first.
@@ -48,13 +50,17 @@ class Queued:
 
     ``prefill_s``: its prefill work left; ``need_blocks``: free blocks it
     takes to start; ``hold_blocks``: what it holds once started, until it
-    ends; ``output_tokens``: tokens it generates (>= 1, the first included).
+    ends; ``output_tokens``: tokens it generates (>= 1, the first included);
+    ``shares_step``: it is prefilled in the step of the request before it
+    (its ``prefill_s`` is what it adds to that step), which carries the
+    step's decode step once for both.
     """
 
     prefill_s: float
     need_blocks: int
     hold_blocks: int
     output_tokens: int
+    shares_step: bool = False
 
 
 def start_after_s(capacity_blocks: int | None, decoding: list[Decoding], queued: list[Queued],
@@ -64,7 +70,7 @@ def start_after_s(capacity_blocks: int | None, decoding: list[Decoding], queued:
     with decode steps of ``step_s`` (see the module's model).  The lists are
     not changed."""
     running = [Decoding(d.blocks, max(1, d.tokens_left)) for d in decoding]
-    waiting = [Queued(q.prefill_s, q.need_blocks, q.hold_blocks, q.output_tokens)
+    waiting = [Queued(q.prefill_s, q.need_blocks, q.hold_blocks, q.output_tokens, q.shares_step)
                for q in queued]
     started: list[Queued] = []
     t = 0.0
@@ -82,12 +88,12 @@ def start_after_s(capacity_blocks: int | None, decoding: list[Decoding], queued:
             # Its turn to start has come; the prefills started before it run first.
             decodes = bool(running)
             for q in started:
-                t += q.prefill_s + (step_s if decodes else 0.0)
+                t += q.prefill_s + (step_s if decodes and not q.shares_step else 0.0)
                 decodes = decodes or q.output_tokens > 1
             return t
         if started:
             q = started.pop(0)
-            t += q.prefill_s + (step_s if running else 0.0)
+            t += q.prefill_s + (step_s if running and not q.shares_step else 0.0)
             running = _advance(running, 1)
             if q.output_tokens > 1:
                 running.append(Decoding(q.hold_blocks, q.output_tokens - 1))

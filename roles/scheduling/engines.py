@@ -18,7 +18,10 @@ every live engine, never a transfer.  Per live, non-stale engine:
   else the fleet-wide fit every engine feeds (a copy of the conductor's
   prior, so a new engine is priced as the others run), times the slowdown
   learned for its machine with as many of its other engines busy as now
-  (contention.py; 1 for an engine alone on its machine);
+  (contention.py; 1 for an engine alone on its machine).  Behind work of
+  ours at the engine, its fixed part (``PrefillEstimator.step_fixed_s``)
+  overlaps that work, as far as the queue lasts, and is left out
+  (``engine_steps``);
 - the residual: ResidualModel keyed by engine and load level, the same
   model the conductor keeps for its own nodes.
 
@@ -96,12 +99,19 @@ class EngineScheduler(EnginePricing, EngineFeedback):
         self._ttft_errors = [0, 0.0, 0.0]  # count, sum, sum of |predicted - actual|
 
     # ---- fleet membership ---------------------------------------------
-    def add_engine(self, name: str, machine: str | None = None) -> EngineState:
+    def add_engine(self, name: str, machine: str | None = None,
+                   step_tokens: int | None = None) -> EngineState:
         """Start scheduling onto ``name`` (a re-add starts it afresh).
         ``machine``: the machine it runs on, shared with the engines that
-        name the same one (None: a machine of its own)."""
+        name the same one (None: a machine of its own); ``step_tokens``:
+        the most prompt tokens one of its steps prefills (None:
+        DEFAULT_STEP_TOKENS)."""
+        if step_tokens is not None and step_tokens < 1:
+            raise ValueError("step_tokens must be >= 1")
         state = EngineState(name, self.prefill_est.fork(), copy.deepcopy(self.decode_prior),
                             copy.deepcopy(self.decode_prior), machine or name)
+        if step_tokens is not None:
+            state.step_tokens = step_tokens
         self.engines[name] = state
         return state
 
@@ -193,7 +203,14 @@ class EngineScheduler(EnginePricing, EngineFeedback):
             t_queue = max(self.queue_s(state, now, prompt_tokens), t_start)
             busy = self.busy_level(state)
             slowdown = self.contention.slowdown(state.machine, busy, now)
-            t_prefill = self.estimator_for(state).seconds(prompt_tokens, prefix) * slowdown
+            est = self.estimator_for(state)
+            behind, leader = self.engine_steps(state, prompt_tokens - prefix)
+            alone = est.seconds(prompt_tokens, prefix)
+            # Behind work of ours there, the fixed part of its prefill overlaps
+            # that work, as far as the work lasts: a busy engine is never
+            # priced below an idle one.
+            overlap = min(est.step_fixed_s(), alone, t_queue / slowdown) if behind else 0.0
+            t_prefill = (alone - overlap) * slowdown
             model = t_queue + t_prefill
             median, spreads[name] = self.ttft_residuals_at(name, level, now)
             ttft = model + median
@@ -204,7 +221,8 @@ class EngineScheduler(EnginePricing, EngineFeedback):
                                       eviction, t_start, busy_level=busy, slowdown=slowdown,
                                       tbt_misses=misses,
                                       contention_s=self.contention_s(
-                                          state, now, t_prefill + output_tokens * tbt))
+                                          state, now, t_prefill + output_tokens * tbt),
+                                      step_leader=leader, overlap_s=overlap)
             priced.append((name, prefix, ttft, decision.cost_s))
             limit = max(0.0, cfg.ttft_slo_s - spreads[name])
             if cfg.reject and ttft > limit:
@@ -265,6 +283,37 @@ class EngineScheduler(EnginePricing, EngineFeedback):
         return state.in_flight() if state is not None else 0
 
     @staticmethod
+    def engine_steps(state: EngineState, new_tokens: int) -> tuple[bool, str | None]:
+        """Where a request sent now, with ``new_tokens`` to prefill, would
+        be prefilled among our requests at the engine: (whether work of
+        ours is ahead of it there, the request leading the step it would
+        share, None where it starts a step of its own).
+
+        An engine such as vLLM runs one step at a time; a step prefills
+        every request waiting when it starts, up to its token budget
+        (``state.step_tokens``), and its API server takes in the next
+        requests while it computes.  A prefill's fixed part (the request's
+        handling outside the step, the step's own launch:
+        ``PrefillEstimator.step_fixed_s``) is paid in full by a request
+        that finds the engine idle, and overlaps the work ahead of one that
+        does not, as far as that work lasts.  Our requests there without a first token form steps in
+        booking order: one leads a step, those booked while it still waited
+        joined it.  The oldest of these steps is running (the step before
+        it has answered); a younger one waits behind it, and a request sent
+        now joins the youngest if the budget has room."""
+        steps: dict[str, int] = {}   # leader -> the step's prompt tokens to prefill
+        for rid in state.queue.pending:   # in booking order
+            r = state.requests[rid]
+            if r.step_measured:
+                continue   # its step has answered: not running, not waiting
+            leader = r.step_leader or rid
+            steps[leader] = steps.get(leader, 0) + r.prompt_tokens - r.prefix_tokens
+        if len(steps) < 2:
+            return bool(steps), None
+        leader, tokens = list(steps.items())[-1]
+        return True, leader if tokens + max(0, new_tokens) <= state.step_tokens else None
+
+    @staticmethod
     def pending_prefix_tokens(state: EngineState, block_keys: Sequence[int],
                               block_size: int) -> int:
         """Leading prompt tokens that requests of ours still queued or
@@ -298,7 +347,8 @@ class EngineScheduler(EnginePricing, EngineFeedback):
         state.requests[d.request_id] = EngineRequest(prompt_tokens, d.prefix_tokens, now, model,
                                                 d.predicted_ttft_s, level, prior_in_ttft, streamed,
                                                 block_keys, new_blocks, output_tokens,
-                                                busy_level=d.busy_level)
+                                                busy_level=d.busy_level,
+                                                step_leader=d.step_leader, overlap_s=d.overlap_s)
         self.recent_prompts.append(prompt_tokens)
 
     def _reject(self, request_id: str, reason: str, ttft: float, tbt: float, retry: float,

@@ -49,6 +49,14 @@ class PrefillEstimator(ABC):
     def observe(self, prompt_tokens: int, prefix_tokens: int, seconds: float) -> None:
         """Feed back a measured prefill; default: ignore."""
 
+    def step_fixed_s(self) -> float:
+        """The part of every prefill's seconds that does not grow with its
+        tokens (a request's handling around the forward pass, a step's
+        launch): what a prefill sent behind other work at an engine
+        overlaps with that work, and one step pays once however many
+        prompts it prefills.  Default: 0, nothing known to overlap."""
+        return 0.0
+
     def fork(self) -> "PrefillEstimator":
         """An independent estimator that starts where this one is (for one
         node's own fit); default: a deep copy."""
@@ -106,6 +114,9 @@ class PolynomialPrefillEstimator(PrefillEstimator):
         c = self.coeffs
         return max(0.0, c["c0"] + c["n"] * n + c["n2"] * n * n
                    + c["np"] * n * prefix_tokens + c["p"] * prefix_tokens)
+
+    def step_fixed_s(self) -> float:
+        return max(0.0, self.coeffs["c0"])
 
     def observe(self, prompt_tokens: int, prefix_tokens: int, seconds: float) -> None:
         self.samples.append((float(prompt_tokens - prefix_tokens), float(prefix_tokens), seconds))
@@ -258,6 +269,9 @@ class FlopsPrefillEstimator(PrefillEstimator):
         self.shape = shape
         self.rate = gpu_flops * efficiency
         self.overhead_s = overhead_s
+
+    def step_fixed_s(self) -> float:
+        return max(0.0, self.overhead_s)
 
     def seconds(self, prompt_tokens: int, prefix_tokens: int) -> float:
         p = min(prefix_tokens, prompt_tokens)

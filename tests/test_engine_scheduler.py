@@ -246,6 +246,21 @@ def test_new_prefixes_spread_over_engines_priced_alike():
     assert sched.schedule("held", 100, {"b": 50}, now=5.0).engine == "b"
 
 
+def test_a_new_prefix_priced_alike_goes_where_the_cache_has_room():
+    # Both price a 200-token prompt neither holds at 0.2 s, with room for
+    # its 2 blocks; b runs another client's request, a nothing.  b's cache
+    # has 15 blocks free and a's 2: the prompt goes to b, where it leaves
+    # room for the next new prefix at both.
+    sched = make()
+    sched.on_metrics("a", running=0, waiting=0, kv_usage=0.0, now=0.0, capacity_blocks=20)
+    sched.on_metrics("b", running=1, waiting=0, kv_usage=0.0, now=0.0, capacity_blocks=20)
+    d = sched.schedule("new", 200, {}, now=1.0, block_size=100,
+                       cached_blocks={"a": 18, "b": 5})
+    assert (d.engine, d.eviction_s) == ("b", 0.0)
+    # Where what the caches hold is not known, the one with less in flight.
+    assert sched.schedule("unsized", 200, {}, now=2.0).engine == "a"
+
+
 @pytest.mark.parametrize("queued_tokens, engine", [(550, "a"), (700, "b")])
 def test_costs_within_the_tie_share_go_to_the_engine_holding_more(queued_tokens, engine):
     # a holds half the prompt but has work queued; b holds none and is idle.

@@ -185,6 +185,7 @@ class EngineScheduler(EnginePricing, EngineFeedback):
         held_by: dict[str, int] = {}
         priced: list[tuple[str, int, float, float]] = []
         spreads: dict[str, float] = {}
+        room: dict[str, int | None] = {}
         output_tokens = max_tokens if max_tokens is not None and max_tokens > 0 \
             else self.typical_output()
         eligible = {name: state for name, state in self.engines.items()
@@ -215,6 +216,7 @@ class EngineScheduler(EnginePricing, EngineFeedback):
             median, spreads[name] = self.ttft_residuals_at(name, level, now)
             ttft = model + median
             cached = None if cached_blocks is None else cached_blocks.get(name)
+            room[name] = self.free_blocks(state, cached)
             eviction = self.eviction_s(state, prompt_tokens, held, block_size, cached, elsewhere)
             misses = self.tbt_misses_caused(state, now, t_prefill, step)
             decision = EngineDecision(request_id, name, prefix, ttft, tbt, t_queue, t_prefill,
@@ -230,7 +232,7 @@ class EngineScheduler(EnginePricing, EngineFeedback):
             elif cfg.reject and tbt > cfg.tbt_slo_s:
                 why = ("tbt_slo", decision, cfg.tbt_slo_s)
             else:
-                if best is None or self._before(decision, state, best[0], spreads):
+                if best is None or self._before(decision, state, best[0], spreads, room):
                     best = (decision, level, model)
                 continue
             if refused is None or ttft < refused[1].predicted_ttft_s:
@@ -252,7 +254,8 @@ class EngineScheduler(EnginePricing, EngineFeedback):
         return decision
 
     def _before(self, d: EngineDecision, state: EngineState, best: EngineDecision,
-                spreads: Mapping[str, float]) -> bool:
+                spreads: Mapping[str, float],
+                room: Mapping[str, int | None] | None = None) -> bool:
         """``d`` beats ``best``: an engine where its prefill makes none of our
         requests miss the TBT SLO (``tbt_misses_caused``) beats one where it
         does; then a lower cost (predicted TTFT + eviction).
@@ -262,7 +265,9 @@ class EngineScheduler(EnginePricing, EngineFeedback):
         is won by the engine holding more of the prompt: it computes less,
         which leaves the fleet's compute to the requests after it, and
         stores no second copy of a prefix, which keeps its room for other
-        prefixes.  For a prompt neither holds any of, by fewer requests in
+        prefixes.  Between engines holding as much of it, by more free
+        blocks in its cache (``room``, where both are known: the new blocks
+        go where they push out the least), then by fewer requests in
         flight, then by the engine chosen longest ago: new prefixes spread
         over the engines' caches instead of filling one."""
         if (d.tbt_misses == 0) != (best.tbt_misses == 0):
@@ -273,6 +278,9 @@ class EngineScheduler(EnginePricing, EngineFeedback):
             return d.cost_s < best.cost_s
         if d.prefix_tokens != best.prefix_tokens:
             return d.prefix_tokens > best.prefix_tokens
+        free, best_free = (room or {}).get(d.engine), (room or {}).get(best.engine)
+        if free is not None and best_free is not None and free != best_free:
+            return free > best_free
         other = self.engines[best.engine]
         return (state.in_flight(), state.chosen_at) < (other.in_flight(), other.chosen_at)
 
@@ -281,6 +289,17 @@ class EngineScheduler(EnginePricing, EngineFeedback):
         which engines are asked for work that is not a generation."""
         state = self.engines.get(name)
         return state.in_flight() if state is not None else 0
+
+    @staticmethod
+    def free_blocks(state: EngineState, cached_blocks: int | None) -> int | None:
+        """Blocks of ``state``'s cache that hold nothing: its size less what
+        its events report cached and the new blocks of our requests still
+        queued or prefilling there (not reported until computed); None
+        where its size or what it holds is not known."""
+        if state.capacity_blocks is None or cached_blocks is None:
+            return None
+        pending = sum(state.requests[rid].new_blocks for rid in state.queue.pending)
+        return max(0, state.capacity_blocks - cached_blocks - pending)
 
     @staticmethod
     def engine_steps(state: EngineState, new_tokens: int) -> tuple[bool, str | None]:

@@ -35,9 +35,9 @@ the cost of what its blocks would evict there (cache_pressure.py: a copy
 of blocks another engine holds always evicts, a block no engine holds once
 the cache is full; zero while its size is unknown) and of what its work
 slows at the busy engines of its machine when it had none
-(``contention_s``) wins; costs
-closer than the engines' predictions err (their learned TTFT spreads) are
-a tie, won by the engine holding more of the prompt.  Hot
+(``contention_s``) wins; costs closer than the engines' predictions err
+(their learned TTFT spreads) are a tie, won by the engine holding more of
+the prompt, then by the one with more free blocks in its cache.  Hot
 prefixes spill by this pricing alone: once the holder's queue costs more
 than recomputing the prefix elsewhere and the cached work the copy pushes
 out, another engine wins and caches it (the paper's Section 6.2,

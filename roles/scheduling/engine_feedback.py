@@ -38,8 +38,8 @@ class EngineFeedback:
         recorded."""
         state = self.engines.get(engine)
         req = state.requests.get(request_id) if state else None
-        if req is None or request_id not in state.queue.pending or req.first_token_at is not None:
-            return
+        if req is None or request_id not in state.queue.pending:
+            return   # not ours, or its first token already came (pending: none yet)
         if not req.step_measured:
             self._measure_step(state, req.step_leader or request_id, now)
         self._started(state, request_id, now)

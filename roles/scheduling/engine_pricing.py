@@ -199,8 +199,8 @@ class EnginePricing:
             return 0.0
         storing = new_blocks(prompt_tokens, held_tokens, block_size)
         unique = new_blocks(prompt_tokens, max(held_tokens, held_elsewhere_tokens), block_size)
-        pending = sum(state.requests[rid].new_blocks for rid in state.queue.pending)
-        evicted = blocks_displaced(state.capacity_blocks, cached_blocks + pending, unique,
+        evicted = blocks_displaced(state.capacity_blocks,
+                                   cached_blocks + state.pending_new_blocks(), unique,
                                    storing - unique)
         return eviction_seconds(self.estimator_for(state), evicted, block_size,
                                 self.reuse.share(), self.typical_prompt(prompt_tokens))

@@ -159,5 +159,11 @@ class EngineState:
     def ours_decoding(self) -> int:
         return sum(1 for r in self.requests.values() if r.first_token_at is not None)
 
+    def pending_new_blocks(self) -> int:
+        """Blocks our requests still queued or prefilling here will store
+        that its events do not report yet (they report a block once
+        computed)."""
+        return sum(self.requests[rid].new_blocks for rid in self.queue.pending)
+
     def in_flight(self) -> int:
         return len(self.requests) + self.foreign_running + self.foreign_waiting

@@ -254,8 +254,7 @@ class EngineScheduler(EnginePricing, EngineFeedback):
         return decision
 
     def _before(self, d: EngineDecision, state: EngineState, best: EngineDecision,
-                spreads: Mapping[str, float],
-                room: Mapping[str, int | None] | None = None) -> bool:
+                spreads: Mapping[str, float], room: Mapping[str, int | None]) -> bool:
         """``d`` beats ``best``: an engine where its prefill makes none of our
         requests miss the TBT SLO (``tbt_misses_caused``) beats one where it
         does; then a lower cost (predicted TTFT + eviction).
@@ -278,7 +277,7 @@ class EngineScheduler(EnginePricing, EngineFeedback):
             return d.cost_s < best.cost_s
         if d.prefix_tokens != best.prefix_tokens:
             return d.prefix_tokens > best.prefix_tokens
-        free, best_free = (room or {}).get(d.engine), (room or {}).get(best.engine)
+        free, best_free = room.get(d.engine), room.get(best.engine)
         if free is not None and best_free is not None and free != best_free:
             return free > best_free
         other = self.engines[best.engine]
@@ -298,8 +297,7 @@ class EngineScheduler(EnginePricing, EngineFeedback):
         where its size or what it holds is not known."""
         if state.capacity_blocks is None or cached_blocks is None:
             return None
-        pending = sum(state.requests[rid].new_blocks for rid in state.queue.pending)
-        return max(0, state.capacity_blocks - cached_blocks - pending)
+        return max(0, state.capacity_blocks - cached_blocks - state.pending_new_blocks())
 
     @staticmethod
     def engine_steps(state: EngineState, new_tokens: int) -> tuple[bool, str | None]:

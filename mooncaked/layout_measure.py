@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Callable
 
 from mooncaked.layout import Measurements, RequestMix
+from mooncaked.node.malloc_tuning import keep_freed_memory
+from mooncaked.node.sections import NodeSection
 
 FORMAT = "mooncaked-layout-measurements/1"
 DECODE_BATCHES = (1, 8)
@@ -63,9 +65,10 @@ def model_identity(model: str) -> str:
 # speeds, so it is part of the cache key.  Every module of the forward pass
 # (what model/runner.py imports from the model package) but those that only
 # describe the model (config: its shapes, in the key as the model's identity;
-# weights: loading; precision: the dtype, in the key itself).
+# weights: loading; precision: the dtype, in the key itself), and the malloc
+# settings the nodes compute under.
 TIMED_SOURCES = ("model/llama.py", "model/runner.py", "model/decode_kv.py", "model/linear.py",
-                 "model/tiled_attention.py")
+                 "model/tiled_attention.py", "mooncaked/node/malloc_tuning.py")
 UNTIMED_MODEL_SOURCES = ("model/config.py", "model/weights.py", "model/precision.py")
 
 
@@ -225,6 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill-chunk", type=int, default=1024)
     p.add_argument("--dtype", default="auto", help="as model.dtype")
     a = p.parse_args(argv)
+    # As the nodes run (runtime.serve): a pass reuses the memory the last freed.
+    keep_freed_memory(NodeSection().freed_memory_kept_mb << 20)
     mix = RequestMix(a.prompt_tokens, a.cached_fraction, a.output_tokens)
     print(json.dumps(measure(a.model, a.threads, mix, a.prefill_chunk,
                              dtype=a.dtype).to_dict()))

@@ -26,6 +26,7 @@ from mooncaked.node.config import NodeConfig
 from mooncaked.node.context import CTX, NodeContext
 from mooncaked.node.errors import StartupError, error_middleware, internal_auth_middleware
 from mooncaked.node.gc_tuning import PauseWatch, freeze_startup
+from mooncaked.node.malloc_tuning import MMAP_THRESHOLD_BYTES, keep_freed_memory
 from mooncaked.node.loop_watch import LoopStallWatch
 from mooncaked.node.priority import idle_priority, raised_priority
 from mooncaked.node.sdnotify import notify
@@ -65,6 +66,7 @@ def build_app(ctx: NodeContext, setup_role: RoleSetup) -> web.Application:
 
 
 async def serve(config: NodeConfig, setup_role: RoleSetup) -> int:
+    _keep_freed_memory(config.node.freed_memory_kept_mb)
     ctx = NodeContext(config=config)
     sock = bind_socket(config.node.host, config.node.port)
     host, port = sock.getsockname()[:2]
@@ -114,6 +116,19 @@ async def serve(config: NodeConfig, setup_role: RoleSetup) -> int:
     pauses.uninstall()
     log.info("stopped cleanly")
     return 0
+
+
+def _keep_freed_memory(kept_mb: int) -> None:
+    """The process's malloc set to reuse what a forward pass freed
+    (node.freed_memory_kept_mb, malloc_tuning.py), before the model loads,
+    and a log line saying what it got."""
+    if kept_mb <= 0:
+        log.info("malloc: the C library's own thresholds (node.freed_memory_kept_mb = 0)")
+    elif keep_freed_memory(kept_mb << 20):
+        log.info("malloc: blocks up to %d MiB from the heaps, up to %d MiB of freed memory kept "
+                 "for reuse (node.freed_memory_kept_mb)", MMAP_THRESHOLD_BYTES >> 20, kept_mb)
+    else:
+        log.info("malloc: the C library's own thresholds (no glibc mallopt here)")
 
 
 def _raise_priority(nice: int) -> None:

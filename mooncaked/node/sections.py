@@ -53,6 +53,12 @@ class NodeSection:
     # priority: at idle priority it got no CPU beside any other busy process
     # and `up` gave up on it.
     idle_after_start: bool = False
+    # Freed memory the process keeps for reuse, in MiB (glibc's malloc:
+    # blocks up to 32 MiB come from its heaps and up to this much free
+    # memory stays at a heap's top): a forward pass's temporaries reuse
+    # the pages the last pass freed instead of the kernel faulting in and
+    # zeroing fresh ones every pass.  0 = the C library's own thresholds.
+    freed_memory_kept_mb: int = 256
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -69,6 +75,8 @@ class NodeSection:
             raise ValueError("node.heartbeat_timeout_s must be at least twice node.heartbeat_interval_s")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"node.log_level must be debug|info|warning|error; got {self.log_level!r}")
+        if self.freed_memory_kept_mb < 0:
+            raise ValueError(f"node.freed_memory_kept_mb must be >= 0; got {self.freed_memory_kept_mb}")
 
 
 BORROWED_PREFILL_USES = ("overflow", "always")

@@ -50,5 +50,6 @@ def keep_freed_memory(kept_bytes: int) -> bool:
     settings = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),
                 (M_TOP_PAD, min(TOP_PAD_BYTES, kept_bytes)),
                 (M_TRIM_THRESHOLD, min(kept_bytes, _INT_MAX)))
-    # mallopt answers 1 when it took a setting, 0 when not.
+    # mallopt answers 1 when it took a setting, 0 when not; a list, not a
+    # generator, so that every setting is made even after one is refused.
     return all([mallopt(param, value) == 1 for param, value in settings])

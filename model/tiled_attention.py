@@ -32,6 +32,12 @@ from model.linear import probe_thread_counts, torch_threads
 # Query rows per tile: fixed, so that a row's arithmetic is the same
 # whichever chunk computes it.
 ATTENTION_TILE = 64
+# The CPU flash kernel splits a call's query rows into blocks of 32 (of 64
+# for 192 rows or more) and computes a block of one row by another product
+# whose sums round differently: a row alone in its block gets other bits
+# than the same row among others.  No tile is computed with a row count
+# that leaves one alone (``_flash_tiles``); the probe checks such counts.
+LONE_ROW_BLOCK = 32
 
 YieldPoint = Callable[[], None]
 
@@ -77,26 +83,34 @@ def _flash_tiles(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, star
                  yield_point: YieldPoint | None) -> torch.Tensor:
     """Each tile by the fused kernel over keys [0, tile end) with an
     additive mask that is -inf only in the tile's own square above its
-    diagonal."""
+    diagonal.  A tile whose rows would leave one row alone in the kernel's
+    last query block (``LONE_ROW_BLOCK``) is computed with its last row
+    twice and the copy dropped."""
     heads, n, hd = q.shape
     end = start + n
     tile = ATTENTION_TILE
     k_pad, v_pad = _padded_kv(keys, values, end)
     out = q.new_empty(heads, n, hd)
     future = _future(q.device)
-    # One mask buffer sized for the last (largest) tile, zero outside the
-    # square each tile sets and clears again.
-    mask_buf = q.new_zeros(min(tile, n) * k_pad.shape[1])
+    # One mask buffer sized for the last (largest) tile and its extra row,
+    # zero outside the square each tile sets and clears again.
+    mask_buf = q.new_zeros((min(tile, n) + 1) * k_pad.shape[1])
     for t, a, b in _tiles(start, end):
         if yield_point is not None and a > start:
             yield_point()
         rows, seen = b - a, (t + 1) * tile
-        mask = mask_buf[:rows * seen].view(rows, seen)
+        lone = rows % LONE_ROW_BLOCK == 1
+        # Row indices into the tile's square: its rows, then the last again.
+        square = list(range(a - t * tile, b - t * tile)) + [b - 1 - t * tile] * lone
+        mask = mask_buf[:len(square) * seen].view(len(square), seen)
         own = mask[:, t * tile:]
-        own.masked_fill_(future[a - t * tile:b - t * tile], float("-inf"))
+        own.masked_fill_(future[square], float("-inf"))
+        tile_q = q[None, :, a - start:b - start]
+        if lone:
+            tile_q = torch.cat([tile_q, tile_q[:, :, -1:]], dim=2)
         out[:, a - start:b - start] = F.scaled_dot_product_attention(
-            q[None, :, a - start:b - start], k_pad[None, :, :seen], v_pad[None, :, :seen],
-            attn_mask=mask, enable_gqa=True)[0]
+            tile_q, k_pad[None, :, :seen], v_pad[None, :, :seen],
+            attn_mask=mask, enable_gqa=True)[0, :, :rows]
         own.zero_()
     return out
 
@@ -139,10 +153,17 @@ def _product_tiles(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, st
     return out.view(heads, n, hd)
 
 
-# (start, end) of the probe's chunks of a 5-tile prompt: starts inside a
-# tile and on its edge, ends inside one, single rows, a whole prompt.
-PROBE_CHUNKS = ((0, 300), (0, 1), (0, 37), (1, 64), (16, 200), (64, 300), (69, 131),
-                (128, 129), (250, 300), (299, 300))
+def probe_chunks(tile: int) -> tuple[tuple[int, int], ...]:
+    """(start, end) of the probe's chunks of a prompt of 4 tiles and a part:
+    the whole prompt first, then starts inside a tile and on its edge, ends
+    inside one, single rows and a row alone in the kernel's last query
+    block (``LONE_ROW_BLOCK``)."""
+    n = 4 * tile + 44
+    return ((0, n), (0, 1), (0, 37), (1, tile), (16, 3 * tile + 8), (tile, n),
+            (tile + 5, 2 * tile + 3), (2 * tile, 2 * tile + 1),
+            (3 * tile, 3 * tile + LONE_ROW_BLOCK + 1), (n - 50, n), (n - 1, n))
+
+
 # (heads, kv_heads, head_dim) of the probe's models: grouped and not.
 PROBE_HEADS = ((4, 2, 64), (8, 8, 32), (6, 2, 128))
 
@@ -156,8 +177,9 @@ def flash_tiles_invariant(dtype: torch.dtype) -> bool:
         return False
     gen = torch.Generator().manual_seed(0)
     try:
+        chunks = probe_chunks(ATTENTION_TILE)
+        n = chunks[0][1]
         for heads, kv_heads, hd in PROBE_HEADS:
-            n = PROBE_CHUNKS[0][1]
             q = torch.randn(heads, n, hd, generator=gen).to(dtype)
             k = torch.randn(kv_heads, n, hd, generator=gen).to(dtype)
             v = torch.randn(kv_heads, n, hd, generator=gen).to(dtype)
@@ -169,7 +191,7 @@ def flash_tiles_invariant(dtype: torch.dtype) -> bool:
                         reference = whole
                     elif not torch.equal(whole, reference):
                         return False
-                    for a, b in PROBE_CHUNKS[1:]:
+                    for a, b in chunks[1:]:
                         if not torch.equal(_flash_tiles(q[:, a:b], k[:, :b], v[:, :b], a, None),
                                            reference[:, a:b]):
                             return False

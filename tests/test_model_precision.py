@@ -309,6 +309,29 @@ def _bf16_runner(pages: int = 24):
     return ModelRunner(weights, kv), kv
 
 
+def test_tiled_attention_gives_a_lone_row_the_bits_it_gets_among_others():
+    """A one-token suffix (a prompt cached but for its last token) and a
+    partial tile of 33 or 65 rows leave one row in the flash kernel's last
+    query block, which the kernel computes by another product: that row
+    must still get the bits the whole prompt gives it."""
+    import torch
+
+    from model.llama import ATTENTION_TILE, tiled_attention
+
+    gen = torch.Generator().manual_seed(1)
+    n = 2 * ATTENTION_TILE + 100
+    for heads, kv_heads, hd in ((4, 2, 64), (8, 8, 32)):
+        q = torch.randn(heads, n, hd, generator=gen).bfloat16()
+        k = torch.randn(kv_heads, n, hd, generator=gen).bfloat16()
+        v = torch.randn(kv_heads, n, hd, generator=gen).bfloat16()
+        whole = tiled_attention(q, k, v, 0)
+        for start in range(0, n, 3):
+            for rows in (1, 33, 65):
+                end = min(n, start + rows)
+                got = tiled_attention(q[:, start:end], k[:, :end], v[:, :end], start)
+                assert torch.equal(got, whole[:, start:end]), (heads, hd, start, end - start)
+
+
 def test_bfloat16_prefill_is_the_same_whole_chunked_or_after_a_cached_prefix():
     """The oracle at reduced precision: the last token's logits and every
     position's KV are the same bits however the prompt was split, on a CPU
@@ -346,24 +369,26 @@ def test_a_prefill_yields_between_attention_tiles_and_before_the_mlp_changing_no
     from model.llama import ATTENTION_TILE
 
     rng = random.Random(5)
-    prompt = [rng.randrange(256) for _ in range(150)]      # tiles [0,64) [64,128) [128,150)
+    prompt = [rng.randrange(256) for _ in range(2 * ATTENTION_TILE + 22)]   # three tiles
+    pages = -(-len(prompt) // 16)
     other = [rng.randrange(256) for _ in range(40)]
-    ref_runner, ref_kv = _bf16_runner()
-    ref = ref_runner.prefill(prompt, list(range(10)), 0)
-    runner, kv = _bf16_runner()
+    other_pages = [pages, pages + 1, pages + 2]
+    ref_runner, ref_kv = _bf16_runner(pages + 3)
+    ref = ref_runner.prefill(prompt, list(range(pages)), 0)
+    runner, kv = _bf16_runner(pages + 3)
     yields: list[int] = []
 
     def yield_point() -> None:
         yields.append(len(yields))
-        runner.prefill(other, [20, 21, 22], 0)
-    got = runner.prefill(prompt, list(range(10)), 0, yield_point=yield_point)
+        runner.prefill(other, other_pages, 0)
+    got = runner.prefill(prompt, list(range(pages)), 0, yield_point=yield_point)
     tiles = -(-len(prompt) // ATTENTION_TILE)
     assert len(yields) == runner.config.num_layers * ((tiles - 1) + 1)
     assert torch.equal(got, ref)
-    assert torch.equal(kv[:9], ref_kv[:9])                 # every full page of the prompt
+    assert torch.equal(kv[:pages - 1], ref_kv[:pages - 1])   # every full page of the prompt
     # A batched pass yields too: before each layer's MLP (one tile each here).
     batch_yields: list[int] = []
-    runner.prefill_batch([(other, [20, 21, 22], 0)], yield_point=lambda: batch_yields.append(1))
+    runner.prefill_batch([(other, other_pages, 0)], yield_point=lambda: batch_yields.append(1))
     assert len(batch_yields) == runner.config.num_layers
 
 

@@ -30,8 +30,11 @@ import torch.nn.functional as F
 from model.linear import probe_thread_counts, torch_threads
 
 # Query rows per tile: fixed, so that a row's arithmetic is the same
-# whichever chunk computes it.
-ATTENTION_TILE = 64
+# whichever chunk computes it.  Each tile is one kernel call over every key
+# up to the tile's end, with an additive mask: larger tiles make fewer
+# calls, while a decode step waiting for the thread waits at most one tile
+# (a yield point falls between two); docs/bench.md has both measured.
+ATTENTION_TILE = 256
 # The CPU flash kernel splits a call's query rows into blocks of 32 (of 64
 # for 192 rows or more) and computes a block of one row by another product
 # whose sums round differently: a row alone in its block gets other bits

@@ -95,17 +95,11 @@ def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def mlp(x: torch.Tensor, w: LayerWeights, tile: int = PREFILL_ROWS,
-        yield_point: YieldPoint | None = None) -> torch.Tensor:
-    """SwiGLU; ``yield_point`` is called between its two projections (the
-    longest stretch of a prefill layer without one)."""
+def mlp(x: torch.Tensor, w: LayerWeights, tile: int = PREFILL_ROWS) -> torch.Tensor:
     gate, up = linear(x, w.gate_up, tile=tile).chunk(2, dim=-1)
     # In place on the projection's own output (nothing else holds it): two
     # [n, intermediate] temporaries less.
-    act = F.silu(gate, inplace=True).mul_(up)
-    if yield_point is not None:
-        yield_point()
-    return linear(act, w.down, tile=tile)
+    return linear(F.silu(gate, inplace=True).mul_(up), w.down, tile=tile)
 
 
 def _qkv(x: torch.Tensor, w: LayerWeights, c: ModelConfig, cos: torch.Tensor,
@@ -223,8 +217,8 @@ def prefill_layer(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer: int,
     be in the request's pages; this writes [start, start + n) and attends
     each new token to every position up to and including itself. mask:
     ``chunk_mask(n, start)``.  ``yield_point``: called between attention
-    tiles, before the MLP and between its two projections, points where
-    other work on this thread changes nothing of this layer's result.
+    tiles and before the MLP, points where other work on this thread
+    changes nothing of this layer's result.
     """
     n = x.shape[0]
     end = start + n
@@ -240,7 +234,7 @@ def prefill_layer(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer: int,
     x = x + linear(out.transpose(0, 1).reshape(n, -1), w.o)
     if yield_point is not None:
         yield_point()
-    return x + mlp(rms_norm(x, w.mlp_norm, c.rms_eps), w, yield_point=yield_point)
+    return x + mlp(rms_norm(x, w.mlp_norm, c.rms_eps), w)
 
 
 def decode_layer(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer: int,
@@ -330,4 +324,4 @@ def prefill_layer_varlen(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer
     x = x + linear(torch.cat(outs), w.o)
     if yield_point is not None:
         yield_point()
-    return x + mlp(rms_norm(x, w.mlp_norm, c.rms_eps), w, yield_point=yield_point)
+    return x + mlp(rms_norm(x, w.mlp_norm, c.rms_eps), w)

@@ -7,9 +7,9 @@ thousand tokens takes a tenth of a second, and every running sequence's
 next token waits that long.  A step submitted through ``StepQueue.run`` is
 queued in the pool as before and also listed here; the prefill, on the
 compute thread, calls ``give_way()`` at its yield points (each layer's
-boundary, between two attention tiles, before each layer's MLP and between
-its two projections: a few milliseconds apart however long the chunk),
-which runs the listed steps right there
+boundary, between two attention tiles, before each layer's MLP: a few
+milliseconds apart however long the chunk), which runs the listed steps
+right there
 - at once while the prefill is on time: the conductor predicted its first
   token by a time (``PrefillRequest.budget``), and the prefill's remaining
   compute plus a step still ends before it.  Decode steps spend the slack

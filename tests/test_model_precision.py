@@ -357,10 +357,9 @@ def test_bfloat16_prefill_is_the_same_whole_chunked_or_after_a_cached_prefix():
         assert torch.equal(kv[:used - 1], whole_kv[:used - 1]), (chunk, cached)
 
 
-def test_a_prefill_yields_inside_a_layer_changing_no_bit():
+def test_a_prefill_yields_between_attention_tiles_and_before_the_mlp_changing_no_bit():
     """The points where a colocated node's decode steps run inside a layer:
-    between two attention tiles, before the MLP and between its two
-    projections.  Another request's
+    between two attention tiles and before the MLP.  Another request's
     prefill run at each of them (other pages, same thread) leaves the
     prompt's logits and KV bit for bit as computed without yielding."""
     import random
@@ -384,14 +383,13 @@ def test_a_prefill_yields_inside_a_layer_changing_no_bit():
         runner.prefill(other, other_pages, 0)
     got = runner.prefill(prompt, list(range(pages)), 0, yield_point=yield_point)
     tiles = -(-len(prompt) // ATTENTION_TILE)
-    assert len(yields) == runner.config.num_layers * ((tiles - 1) + 2)
+    assert len(yields) == runner.config.num_layers * ((tiles - 1) + 1)
     assert torch.equal(got, ref)
     assert torch.equal(kv[:pages - 1], ref_kv[:pages - 1])   # every full page of the prompt
-    # A batched pass yields too: before each layer's MLP and inside it (one
-    # tile each here).
+    # A batched pass yields too: before each layer's MLP (one tile each here).
     batch_yields: list[int] = []
     runner.prefill_batch([(other, other_pages, 0)], yield_point=lambda: batch_yields.append(1))
-    assert len(batch_yields) == 2 * runner.config.num_layers
+    assert len(batch_yields) == runner.config.num_layers
 
 
 def test_bfloat16_prefill_batch_equals_each_request_alone():

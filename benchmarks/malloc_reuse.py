@@ -16,17 +16,16 @@ and the wall time per request as the client saw it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mooncaked.local_cluster import http_json  # noqa: E402
 from mooncaked.node.sections import NodeSection  # noqa: E402
 from rate_sweep import up_target  # noqa: E402
 from vllm_compare import prepare_checkpoint  # noqa: E402
@@ -79,12 +78,11 @@ def faults_and_cpu_s(pids: list[int]) -> tuple[int, float]:
 
 
 def complete(url: str, tokens: list[int]) -> None:
-    body = json.dumps({"model": "model", "prompt": tokens, "max_tokens": 2,
-                       "temperature": 0}).encode()
-    req = urllib.request.Request(url + "/v1/completions", data=body,
-                                 headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        resp.read()
+    status, body = http_json(url + "/v1/completions", {"model": "model", "prompt": tokens,
+                                                       "max_tokens": 2, "temperature": 0},
+                             timeout=60.0)
+    if status != 200:
+        raise RuntimeError(f"completion answered {status}: {body}")
 
 
 def measure(model_dir: Path, kept_mb: int, requests: int, n_tokens: int, vocab: int,

@@ -103,13 +103,12 @@ def _flash_tiles(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, star
             yield_point()
         rows, seen = b - a, (t + 1) * tile
         lone = rows % LONE_ROW_BLOCK == 1
-        # Row indices into the tile's square: its rows, then the last again.
-        square = list(range(a - t * tile, b - t * tile)) + [b - 1 - t * tile] * lone
-        mask = mask_buf[:len(square) * seen].view(len(square), seen)
+        mask = mask_buf[:(rows + lone) * seen].view(rows + lone, seen)
         own = mask[:, t * tile:]
-        own.masked_fill_(future[square], float("-inf"))
+        own[:rows].masked_fill_(future[a - t * tile:b - t * tile], float("-inf"))
         tile_q = q[None, :, a - start:b - start]
-        if lone:
+        if lone:   # the last row again, with its mask row
+            own[rows].masked_fill_(future[b - 1 - t * tile], float("-inf"))
             tile_q = torch.cat([tile_q, tile_q[:, :, -1:]], dim=2)
         out[:, a - start:b - start] = F.scaled_dot_product_attention(
             tile_q, k_pad[None, :, :seen], v_pad[None, :, :seen],

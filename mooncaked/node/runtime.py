@@ -26,8 +26,8 @@ from mooncaked.node.config import NodeConfig
 from mooncaked.node.context import CTX, NodeContext
 from mooncaked.node.errors import StartupError, error_middleware, internal_auth_middleware
 from mooncaked.node.gc_tuning import PauseWatch, freeze_startup
-from mooncaked.node.malloc_tuning import MMAP_THRESHOLD_BYTES, keep_freed_memory
 from mooncaked.node.loop_watch import LoopStallWatch
+from mooncaked.node.malloc_tuning import MMAP_THRESHOLD_BYTES, keep_freed_memory
 from mooncaked.node.priority import idle_priority, raised_priority
 from mooncaked.node.sdnotify import notify
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from model.config import ModelConfig
+from model.decode_attention import decode_attention
 from model.decode_kv import SeqKV
 from model.linear import PREFILL_ROWS, REDUCED_PRECISION, STEP_ROWS, linear
 from model.tiled_attention import ATTENTION_TILE, tiled_attention  # noqa: F401 (re-exported)
@@ -275,12 +276,10 @@ def decode_layer(x: torch.Tensor, w: LayerWeights, c: ModelConfig, layer: int,
             keys, values = gather_kv(kv_pages, layer, block_tables[b], ends[b] + 1)
         else:
             keys, values = mirror.append(layer, ends[b], new_kv[b])
-        # The flash kernel at every dtype (in bf16 on an AMX CPU ~2.5x
-        # faster than two bmm and a softmax).  A request's row is computed
-        # alone, so its bits do not depend on the batch.
-        outs.append(F.scaled_dot_product_attention(
-            q[b, :, None, :][None], keys[None], values[None], enable_gqa=True))  # [1, heads, 1, hd]
-    out = torch.cat(outs)
+        # A request's row is computed alone, so its bits do not depend on
+        # the batch (the kernel: model/decode_attention.py).
+        outs.append(decode_attention(q[b], keys, values))  # [heads, hd]
+    out = torch.stack(outs)
     x = x + linear(out.reshape(bsz, -1), w.o, tile=STEP_ROWS)
     return x + mlp(rms_norm(x, w.mlp_norm, c.rms_eps), w, STEP_ROWS)
 

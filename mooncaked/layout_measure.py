@@ -68,7 +68,8 @@ def model_identity(model: str) -> str:
 # weights: loading; precision: the dtype, in the key itself), and the malloc
 # settings the nodes compute under.
 TIMED_SOURCES = ("model/llama.py", "model/runner.py", "model/decode_kv.py", "model/linear.py",
-                 "model/tiled_attention.py", "mooncaked/node/malloc_tuning.py")
+                 "model/tiled_attention.py", "model/decode_attention.py",
+                 "mooncaked/node/malloc_tuning.py")
 UNTIMED_MODEL_SOURCES = ("model/config.py", "model/weights.py", "model/precision.py")
 
 

@@ -214,3 +214,37 @@ def test_a_prefill_booked_while_its_node_did_not_decode_teaches_no_share():
         s.on_prefill_finished("c0", rid, now=1.0, actual_seconds=0.1, actual_gave_way_s=0.1)
         s.on_decode_finished("c0", rid, now=1.0)
     assert s.residual_stats(1.0)["prefill_share_log_ratio"] == {}
+
+
+def test_each_prefill_queued_ahead_adds_the_nodes_learned_wait_for_the_thread():
+    """c0's prefills each waited 0.02 s for its compute thread (decode steps
+    queued there ahead of them).  A request booked behind prefills that
+    have not started waits for their work at the node's share (0.8 once
+    "a" decodes there) plus one such wait for each of them and its own."""
+    s = sched()
+    for i in range(s.config.residual_min_samples + 1):   # one to age
+        rid = f"w{i}"
+        s.schedule(req(rid, 100), now=0.0)
+        s.on_prefill_finished("c0", rid, now=1.0, actual_seconds=0.1, actual_thread_wait_s=0.02)
+        s.on_decode_finished("c0", rid, now=1.0)
+    assert s.residual_stats(1.0)["prefill_start_wait_s"]["c0"].median == pytest.approx(0.02)
+    a = s.schedule(req("a", 100), now=1.0)
+    assert a.t_queue == pytest.approx(0.02)                      # its own wait
+    b = s.schedule(req("b", 100), now=1.0)
+    assert b.t_queue == pytest.approx(0.1 / 0.8 + 2 * 0.02)      # a's work, a's wait, its own
+    c = s.schedule(req("c", 100), now=1.0)
+    assert c.t_queue == pytest.approx(0.2 / 0.8 + 3 * 0.02)
+    # Past a's predicted start (1.02 s) a waits no more: b, c and a newcomer.
+    assert s.start_waits_s("c0", 2, now=1.03) == pytest.approx(3 * 0.02)
+
+
+def test_no_measured_wait_adds_nothing_to_the_queue():
+    s = sched()
+    for i in range(s.config.residual_min_samples + 1):   # one to age
+        rid = f"w{i}"
+        s.schedule(req(rid, 100), now=0.0)
+        s.on_prefill_finished("c0", rid, now=1.0, actual_seconds=0.1)
+        s.on_decode_finished("c0", rid, now=1.0)
+    s.schedule(req("a", 100), now=1.0)
+    assert s.schedule(req("b", 100), now=1.0).t_queue == pytest.approx(0.1 / 0.8)
+    assert s.residual_stats(1.0)["prefill_start_wait_s"] == {}

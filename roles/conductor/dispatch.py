@@ -655,7 +655,8 @@ class Dispatcher:
                                   actual_queue_s=trace.prefill_queue_s, actual_work_s=work,
                                   actual_batched_ahead_s=trace.prefill_batched_ahead_s,
                                   actual_batched_behind_s=trace.prefill_batched_behind_s,
-                                  actual_gave_way_s=timings.gave_way_s)
+                                  actual_gave_way_s=timings.gave_way_s,
+                                  actual_thread_wait_s=timings.thread_wait_s)
         if source is not None and trace.fetched_tokens and trace.prefix_load_s > 0:
             nbytes = trace.fetched_tokens * sched.config.kv_bytes_per_token
             sched.on_transfer_finished(source.node_id, nbytes, trace.prefix_load_s)

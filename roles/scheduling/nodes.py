@@ -139,6 +139,24 @@ class NodeBookings(YieldingPrefill):
             return share
         return min(1.0, share * math.exp(-self.share_residuals.median(node, None, now)))
 
+    def start_waits_s(self, node: str, level: int | None, now: float) -> float:
+        """What a request booked on ``node`` at ``now`` will wait for the
+        node's compute thread beside the work queued there: one prefill's
+        wait for each prefill booked there that has not started (by a report,
+        or by its predicted start) and one for its own, each the median wait
+        the node's prefills measured at load ``level`` (``start_waits``; 0
+        until learned).  On a colocated node that is the decode steps queued
+        on the thread ahead of a prefill's chunks, which neither the
+        prefills' work nor their share of the thread (the steps run inside
+        them) holds: while the node decodes, every prefill ahead adds one."""
+        wait = self.start_waits.median(node, level, now)
+        state = self.prefill.get(node)
+        if wait <= 0 or state is None:
+            return 0.0
+        waiting = sum(1 for p in state.pending.values() if p.started_at is None
+                      and (p.expected_start is None or p.expected_start > now))
+        return wait * (waiting + 1)
+
     def progress_fn(self, node: str, busy: list[borrowed.Interval] | None = None,
                     now: float | None = None) -> Progress:
         """Work ``node`` does between two instants (see PrefillNodeState.queue_time):

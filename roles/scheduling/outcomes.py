@@ -60,7 +60,8 @@ class OutcomeLearning(DecodePricing):
                             actual_batched_ahead_s: float = 0.0,
                             actual_batched_behind_s: float | None = None,
                             actual_ttft_s: float | None = None,
-                            actual_gave_way_s: float | None = None) -> None:
+                            actual_gave_way_s: float | None = None,
+                            actual_thread_wait_s: float | None = None) -> None:
         """Prefill done (first token out): refit, and record the TTFT
         residual (measured minus the cost model's TTFT).
 
@@ -87,8 +88,12 @@ class OutcomeLearning(DecodePricing):
         the prefill's measured share of the thread (its compute over its
         compute and those steps) teaches the share residuals (prefill_share).
         Its wait for the step on the thread when it began is not part of it:
-        that does not grow with the prefill's length (the TTFT residual
-        takes it).
+        that does not grow with the prefill's length.
+
+        `actual_thread_wait_s`: that wait, what the node measured between
+        submitting the prefill's chunks to the thread and their compute
+        starting (None: not measured); it teaches ``start_waits``
+        (NodeBookings.start_waits_s).
 
         `actual_seconds <= 0` means "no measurement" (cancelled or failed
         prefill): the booking is released but nothing is learned from it.
@@ -141,6 +146,8 @@ class OutcomeLearning(DecodePricing):
             self.prefill_est.observe(inf.req.prompt_tokens, prefix, fitted)
         if actual_batched_behind_s is not None and node in self.prefill:
             self._learn_batch_wait(node, inf.decision.t_queue, actual_batched_behind_s)
+        if actual_thread_wait_s is not None and actual_thread_wait_s >= 0:
+            self.start_waits.add(node, inf.load_level, actual_thread_wait_s, now)
         if actual_gave_way_s is not None and inf.modelled_share < 1.0:
             held = actual_seconds + max(0.0, actual_gave_way_s)
             residual = log_ratio(inf.modelled_share, actual_seconds / held)
@@ -163,7 +170,8 @@ class OutcomeLearning(DecodePricing):
         return {"ttft_s": self.ttft_residuals.stats(now),
                 "tbt_log_ratio": self.tbt_residuals.stats(now),
                 "handoff_s": self.handoff_residuals.stats(now),
-                "prefill_share_log_ratio": self.share_residuals.stats(now)}
+                "prefill_share_log_ratio": self.share_residuals.stats(now),
+                "prefill_start_wait_s": self.start_waits.stats(now)}
 
     def on_decode_finished(self, node: str, request_id: str, now: float,
                            token_intervals: Sequence[float] | None = None) -> None:

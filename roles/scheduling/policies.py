@@ -42,6 +42,7 @@ class PlanContext:
                  transferable: Callable[[str], bool] | None = None,
                  wall_s: Callable[[str, float, float], float] | None = None,
                  extra_s: Callable[[str], float] | None = None,
+                 start_waits_s: Callable[[str], float] | None = None,
                  pending: dict[str, int] | None = None) -> None:
         self.req = req
         self.now = now
@@ -65,6 +66,10 @@ class PlanContext:
         # work); default: the work itself.  They differ on a node that
         # yields its cores to others (roles/scheduling/borrowed.py).
         self.wall_s = wall_s or (lambda node, start, work: work)
+        # start_waits_s(node): the waits for the node's compute thread at the
+        # start of each prefill queued there and of this one (wall seconds,
+        # beside the work); default none.
+        self.start_waits_s = start_waits_s or (lambda node: 0.0)
         # What choosing `node` costs beyond its plan's TTFT (the scheduler's
         # median residual of the node); default nothing.
         self.extra_s = extra_s or (lambda node: 0.0)
@@ -83,7 +88,7 @@ class PlanContext:
 
         req = self.req
         local = self.local(node)
-        t_queue = self.wall_s(node, self.now, self.queue_time(node))
+        t_queue = self.wall_s(node, self.now, self.queue_time(node)) + self.start_waits_s(node)
         transfer = None
         t_transfer = 0.0
         blocks = local

@@ -83,6 +83,12 @@ class Scheduler(OutcomeLearning):
         # (log modelled / measured share; NodeBookings.prefill_share).
         self.share_residuals = ResidualModel(config.residual_half_life_s, config.admit_quantile,
                                              config.residual_min_samples)
+        # By prefill node and load level: how long a prefill waited for the
+        # node's compute thread beside its work (on a colocated node, the
+        # decode steps queued there ahead of its chunks), in seconds
+        # (NodeBookings.start_waits_s).
+        self.start_waits = ResidualModel(config.residual_half_life_s, config.admit_quantile,
+                                         config.residual_min_samples)
         # The admission quantile of all three, steered by admitted requests' outcomes.
         self.admission = AdmissionQuantile(config.admit_quantile, config.slo_attainment)
         self._set_admit_quantile(self.admission.quantile)
@@ -137,6 +143,7 @@ class Scheduler(OutcomeLearning):
             node_prefill_s=lambda node, n, p: self.estimator_for(node).seconds(n, p),
             transferable=lambda node: not self.prefill[node].group_members,
             wall_s=wall_s,
+            start_waits_s=lambda node: self.start_waits_s(node, level, now),
             extra_s=lambda node: self.ttft_residuals.median(node, level, now),
             pending=self.pending_prefixes(req))
 

@@ -10,38 +10,28 @@ values in the same shape).  Two kernels, one per machine:
   values) around a float32-accumulated softmax.  Without AMX the fused
   kernel computes a single reduced-precision query row at a fraction of
   the products' speed (one row over 1,000 keys, 4 heads of 64: ~600 us
-  against ~130 on an AVX512-BF16 core), which made attention 80% of a
+  against ~130 on an AVX512-BF16 core), and attention is then most of a
   decode step.
 
-The choice is a fact of the machine, not a timing: every process of a
-machine computes decode rows the same way, so a request's tokens do not
-depend on the node that decodes it.
+The choice is a fact of the machine (its CPU flags), not a timing: every
+process of a machine computes decode rows the same way, so a request's
+tokens do not depend on the node that decodes it.
 """
 from __future__ import annotations
-
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
-REDUCED = (torch.bfloat16, torch.float16)
-
-
-@lru_cache(maxsize=None)
-def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX tiles enabled (torch's own check); False
-    where torch cannot tell."""
-    probe = getattr(getattr(torch._C, "_cpu", None), "_is_amx_tile_supported", None)
-    try:
-        return bool(probe()) if probe is not None else False
-    except RuntimeError:
-        return False
+from model.linear import REDUCED_PRECISION
+from model.precision import this_cpu_flags
 
 
 def uses_products(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether decode rows of ``dtype`` on ``device`` are computed by the two
-    products (else by the fused kernel)."""
-    return dtype in REDUCED and device.type == "cpu" and not cpu_has_amx()
+    products (else by the fused kernel): reduced precision on a CPU whose
+    flags list no AMX tiles."""
+    return dtype in REDUCED_PRECISION and device.type == "cpu" \
+        and "amx_tile" not in this_cpu_flags()
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,8 @@ def cpu_flags(cpuinfo: str) -> frozenset[str]:
 
 
 @lru_cache(maxsize=1)
-def _this_cpu_flags() -> frozenset[str]:
+def this_cpu_flags() -> frozenset[str]:
+    """This machine's CPU feature flags (empty where /proc/cpuinfo cannot be read)."""
     try:
         return cpu_flags(Path("/proc/cpuinfo").read_text())
     except OSError:
@@ -67,7 +68,7 @@ def native_dtype(device: str, flags: frozenset[str] | None = None,
     its bf16 products are (default: ``bf16_rows_invariant()``, probed here
     when the flags allow bf16)."""
     if device == "cpu":
-        have = _this_cpu_flags() if flags is None else flags
+        have = this_cpu_flags() if flags is None else flags
         if not have & BF16_CPU_FLAGS:
             return "float32"
         invariant = bf16_rows_invariant() if rows_invariant is None else rows_invariant

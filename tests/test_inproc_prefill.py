@@ -852,3 +852,30 @@ async def test_a_batched_pass_waiting_for_the_thread_does_not_count_the_wait_as_
         assert reply.timings.gave_way_s == 0.0
     # The pass's own time, shared by tokens (20 and 40): not the wait.
     assert one.timings.compute_s + two.timings.compute_s < BLOCKED_S
+
+
+async def test_a_batched_pass_counts_only_its_own_cpu_seconds(open_worker, decode, service_on):
+    """Work the compute thread does around the pass (here 30 ms of CPU spun
+    on it just before) is not the pass's: its CPU seconds stay within its
+    wall time."""
+    worker = await open_worker()
+    svc = await service_on(worker, chunk_size=64)
+    real = worker.compute
+
+    def spin(fn, *args):
+        end = time.thread_time() + 0.03
+        while time.thread_time() < end:
+            pass
+        return fn(*args)
+
+    async def compute_after_spinning(fn, *args):
+        return await real(spin, fn, *args)
+
+    worker.compute = compute_after_spinning
+    prompts = {"req-1": tokens(20, seed=3), "req-2": tokens(40, seed=4)}
+    grants = {rid: decode.reserve(len(p) + GREEDY.max_tokens) for rid, p in prompts.items()}
+    replies = await asyncio.gather(*(svc.submit(spec_for(worker, rid, p, grants[rid]))
+                                     for rid, p in prompts.items()))
+    assert svc.batches == 1
+    for reply in replies:
+        assert 0 < reply.timings.compute_cpu_s <= reply.timings.compute_s

@@ -261,13 +261,14 @@ class PrefillService:
             requests = [(job.spec.token_ids, job.table, job.cached) for job in jobs]
 
             def compute():
-                # The logits and the pass's own wall time, timed on the
-                # thread: not its wait for the thread or for the loop.
-                t0 = time.perf_counter()
+                # The logits and the pass's own wall and CPU time, timed on
+                # the thread: not its wait for the thread or for the loop,
+                # nor what the thread ran before or after the pass.
+                t0, c0 = time.perf_counter(), self.worker.compute_cpu_s()
                 logits = self.worker.runner.prefill_batch(
                     requests, layer_hook=lambda i, start, end, layer: hooks[i](start, end, layer),
                     yield_point=self.worker.give_way)
-                return logits, time.perf_counter() - t0
+                return logits, time.perf_counter() - t0, self.worker.compute_cpu_s() - c0
 
             t_compute = time.perf_counter()
             steps_s = self.worker.steps.between_layers_s
@@ -275,7 +276,7 @@ class PrefillService:
             for job in jobs:
                 job.cpu_at_start = cpu0
             try:
-                all_logits, pass_s = await self.worker.compute(compute)
+                all_logits, pass_s, compute_cpu_s = await self.worker.compute(compute)
             except Exception as exc:  # noqa: BLE001 - the whole pass failed
                 for item in ready:
                     self._failed(item, exc)
@@ -284,7 +285,6 @@ class PrefillService:
             # The pass's own time: less the decode steps it gave way to.
             stepped_s = self.worker.steps.between_layers_s - steps_s
             compute_s = pass_s - stepped_s
-            compute_cpu_s = self.worker.compute_cpu_s() - cpu0
             self.batches += 1
             self.batched_requests += len(ready)
             computed = [len(job.spec.token_ids) - job.cached for job in jobs]

@@ -6,12 +6,21 @@ whether its keys came from the pages or from a contiguous mirror (the same
 values in the same shape).  Two kernels, one per machine:
 
 - the CPU's fused flash kernel, on a CPU with AMX tiles, and at float32;
-- at bfloat16/float16 elsewhere: two matrix products (the scores, then the
-  values) around a float32-accumulated softmax.  Without AMX the fused
-  kernel computes a single reduced-precision query row at a fraction of
-  the products' speed (one row over 1,000 keys, 4 heads of 64: ~600 us
-  against ~130 on an AVX512-BF16 core), and attention is then most of a
-  decode step.
+- at bfloat16/float16 elsewhere: two float32 matrix products (the scores,
+  then the values) around a float32 softmax, rounded to the row's dtype
+  once at the end.  Without AMX the fused kernel computes a single
+  reduced-precision query row at a fraction of the products' speed (one
+  row over 1,000 keys, 4 heads of 64: ~600 us against ~120 on an
+  AVX512-BF16 core), and attention is then most of a decode step.
+
+The products run on oneDNN, which builds (JIT-compiles) a kernel for every
+new operand shape and keeps the last 1,024 it built.  A decode row has one
+key more than at its last step, so a product over exactly its keys has a
+new shape nearly every step: building it cost ~1.3 ms, ten times the
+product.  Each product is therefore split at the last multiple of
+``KEY_BUCKET`` keys (``key_spans``): the whole buckets, then the rest, so a
+machine sees at most ``KEY_BUCKET - 1`` tail shapes and one shape per
+bucket count, and every one is built once.
 
 The choice is a fact of the machine (its CPU flags), not a timing: every
 process of a machine computes decode rows the same way, so a request's
@@ -47,11 +56,27 @@ def _fused(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.T
                                           enable_gqa=True)[0, :, 0]
 
 
+# Keys per whole bucket of a split product (see the module docstring).
+KEY_BUCKET = 64
+
+
+def key_spans(length: int) -> list[tuple[int, int]]:
+    """[start, end) of a product's parts over ``length`` keys: the whole
+    buckets, then the rest; each part non-empty, together [0, length)."""
+    whole = length - length % KEY_BUCKET
+    return [(a, b) for a, b in ((0, whole), (whole, length)) if b > a]
+
+
 def _products(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     heads, hd = q.shape
     kv_heads = keys.shape[0]
+    spans = key_spans(keys.shape[1])
     # A kv head's query heads share its keys: one product for the group.
-    qg = (q * hd ** -0.5).view(kv_heads, heads // kv_heads, hd)
-    scores = torch.bmm(qg, keys.transpose(1, 2))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.bmm(probs, values).view(heads, hd)
+    qg = (q.float() * hd ** -0.5).view(kv_heads, heads // kv_heads, hd)
+    k, v = keys.float(), values.float()
+    scores = torch.cat([torch.bmm(qg, k[:, a:b].transpose(1, 2)) for a, b in spans], dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.bmm(probs[..., :spans[0][1]], v[:, :spans[0][1]])
+    for a, b in spans[1:]:
+        out += torch.bmm(probs[..., a:b], v[:, a:b])
+    return out.view(heads, hd).to(q.dtype)

@@ -76,7 +76,5 @@ def _products(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torc
     k, v = keys.float(), values.float()
     scores = torch.cat([torch.bmm(qg, k[:, a:b].transpose(1, 2)) for a, b in spans], dim=-1)
     probs = torch.softmax(scores, dim=-1)
-    out = torch.bmm(probs[..., :spans[0][1]], v[:, :spans[0][1]])
-    for a, b in spans[1:]:
-        out += torch.bmm(probs[..., a:b], v[:, a:b])
+    out = sum(torch.bmm(probs[..., a:b], v[:, a:b]) for a, b in spans)
     return out.view(heads, hd).to(q.dtype)

@@ -36,6 +36,22 @@ def test_work_runs_in_the_gaps():
     assert borrowed.progress(busy, 2.0, 1.0) == 0.0
 
 
+def test_work_runs_at_a_share_of_the_busy_stretches():
+    # A colocated node's prefill: a quarter of the thread while its decode
+    # steps, all of it outside.
+    busy = [(1.0, 2.0), (3.0, 4.0)]
+    # 1.5 s from 0: 1 s before the first stretch, 0.25 s in it, 0.25 s after.
+    assert borrowed.wall_for(busy, 0.0, 1.5, busy_rate=0.25) == pytest.approx(2.25)
+    # Starting inside a stretch: 0.125 s of work by its end, then 1 s of gap.
+    assert borrowed.wall_for(busy, 1.5, 1.2, busy_rate=0.25) == pytest.approx(0.5 + 1.0 + 0.3)
+    # Ending inside the second stretch: 2.375 - 1 - 0.25 - 1 = 0.125 left at a quarter.
+    assert borrowed.wall_for(busy, 0.0, 2.375, busy_rate=0.25) == pytest.approx(3.5)
+    assert borrowed.progress(busy, 0.0, 3.5, busy_rate=0.25) == pytest.approx(2.375)
+    assert borrowed.progress(busy, 1.5, 1.5, busy_rate=0.25) == 0.0
+    # busy_rate 0 is the borrower's: nothing inside busy.
+    assert borrowed.wall_for(busy, 0.0, 1.5, busy_rate=0.0) == borrowed.wall_for(busy, 0.0, 1.5)
+
+
 def test_after_a_point_the_gaps_pass_at_the_idle_rate():
     busy = [(1.0, 2.0)]
     # From 0.5 on, gaps give half their time: 0.5 + (0.5 x 0.5) by 1.0, then

@@ -36,14 +36,27 @@ def req(rid, tokens, out=2, base=0):
 def test_a_prefill_on_a_decoding_colocated_node_gets_its_share_of_the_thread():
     s = sched()
     # Nothing decoding: the whole thread, 100 tokens = 0.1 s.
-    a = s.schedule(req("a", 100), now=0.0)
+    a = s.schedule(req("a", 100, out=1000), now=0.0)
     assert a.predicted_ttft_s == pytest.approx(0.1)
     assert s.prefill_share("c0") == pytest.approx(0.064 / (0.064 + STEP))   # 0.8
-    # "a" now decodes there: "b" waits for a's 0.1 s of work and computes its
-    # own 0.1 s, each at 0.8 of the wall time.
+    # "a" decodes there from its first token at 0.1 s for 999 steps: "b"
+    # waits for a's 0.1 s of work (no decode yet) and computes its own 0.1 s
+    # at 0.8 of the wall time.
     b = s.schedule(req("b", 100), now=0.0)
-    assert b.t_queue == pytest.approx(0.125) and b.t_prefill == pytest.approx(0.125)
-    assert b.predicted_ttft_s == pytest.approx(0.25)
+    assert b.t_queue == pytest.approx(0.1) and b.t_prefill == pytest.approx(0.125)
+    assert b.predicted_ttft_s == pytest.approx(0.225)
+
+
+def test_a_short_reply_slows_a_prefill_on_its_node_for_its_steps_only():
+    s = sched()
+    s.schedule(req("a", 100, out=3), now=0.0)
+    # "a" decodes 2 steps from 0.1 s: [0.1, 0.132] at 0.8 of the thread
+    # gets 0.0256 s of b's work done, the other 0.0744 s at full speed.
+    b = s.schedule(req("b", 100), now=0.0)
+    assert b.t_queue == pytest.approx(0.1)
+    assert b.t_prefill == pytest.approx(0.032 + 0.0744)
+    # What b's measured share is compared with: 0.1 s of work in 0.1064 s.
+    assert s.inflight["b"].modelled_share == pytest.approx(0.1 / 0.1064)
 
 
 def test_a_reply_decoding_where_prefill_is_queued_waits_a_chunk_per_interval():
@@ -186,7 +199,7 @@ def test_the_share_a_decoding_node_gives_its_prefills_is_learned_from_their_repl
     residual log(0.8 / 0.5), and with min_samples of them the node's share
     is 0.8 / 1.6 = 0.5: 100 tokens (0.1 s of work) take 0.2 s."""
     s = sched()
-    s.schedule(req("a", 100), now=0.0)    # "a" decodes on c0 from here on
+    s.schedule(req("a", 100, out=10_000), now=0.0)    # "a" decodes on c0 from 0.1 s on
     learn_share(s, s.config.residual_min_samples)
     assert s.modelled_prefill_share("c0") == pytest.approx(0.8)
     assert s.prefill_share("c0", now=1.0) == pytest.approx(0.5)
@@ -199,7 +212,7 @@ def test_the_share_a_decoding_node_gives_its_prefills_is_learned_from_their_repl
 
 def test_the_modelled_share_holds_until_enough_replies_say_otherwise():
     s = sched()
-    s.schedule(req("a", 100), now=0.0)
+    s.schedule(req("a", 100, out=10_000), now=0.0)
     learn_share(s, s.config.residual_min_samples - 1)
     assert s.prefill_share("c0", now=1.0) == pytest.approx(0.8)
 
@@ -219,8 +232,9 @@ def test_a_prefill_booked_while_its_node_did_not_decode_teaches_no_share():
 def test_each_prefill_queued_ahead_adds_the_nodes_learned_wait_for_the_thread():
     """c0's prefills each waited 0.02 s for its compute thread (decode steps
     queued there ahead of them).  A request booked behind prefills that
-    have not started waits for their work at the node's share (0.8 once
-    "a" decodes there) plus one such wait for each of them and its own."""
+    have not started waits for their work plus one such wait for each of
+    them and its own.  (Their decode starts after their first tokens, past
+    the queue priced here: the work runs on the whole thread.)"""
     s = sched()
     for i in range(s.config.residual_min_samples + 1):   # one to age
         rid = f"w{i}"
@@ -231,9 +245,9 @@ def test_each_prefill_queued_ahead_adds_the_nodes_learned_wait_for_the_thread():
     a = s.schedule(req("a", 100), now=1.0)
     assert a.t_queue == pytest.approx(0.02)                      # its own wait
     b = s.schedule(req("b", 100), now=1.0)
-    assert b.t_queue == pytest.approx(0.1 / 0.8 + 2 * 0.02)      # a's work, a's wait, its own
+    assert b.t_queue == pytest.approx(0.1 + 2 * 0.02)            # a's work, a's wait, its own
     c = s.schedule(req("c", 100), now=1.0)
-    assert c.t_queue == pytest.approx(0.2 / 0.8 + 3 * 0.02)
+    assert c.t_queue == pytest.approx(0.2 + 3 * 0.02)
     # Past a's predicted start (1.02 s) a waits no more: b, c and a newcomer.
     assert s.start_waits_s("c0", 2, now=1.03) == pytest.approx(3 * 0.02)
 
@@ -246,5 +260,5 @@ def test_no_measured_wait_adds_nothing_to_the_queue():
         s.on_prefill_finished("c0", rid, now=1.0, actual_seconds=0.1)
         s.on_decode_finished("c0", rid, now=1.0)
     s.schedule(req("a", 100), now=1.0)
-    assert s.schedule(req("b", 100), now=1.0).t_queue == pytest.approx(0.1 / 0.8)
+    assert s.schedule(req("b", 100), now=1.0).t_queue == pytest.approx(0.1)
     assert s.residual_stats(1.0)["prefill_start_wait_s"] == {}

@@ -199,6 +199,31 @@ def test_choice_adds_the_median_and_admission_the_quantile():
     assert r.limit_s == pytest.approx(0.8) and r.predicted_ttft_s == pytest.approx(0.9)
 
 
+def test_the_time_a_request_already_waited_is_predicted_exactly():
+    """A request scheduled 0.05 s after it arrived (body read, tokenizing):
+    its TTFT, counted from its arrival, is that plus the 0.1 s model; the
+    residual learns only what the model missed; admission counts it."""
+    s = sched(ttft_slo_s=1.0)
+    now = 0.0
+    for i in range(4):
+        r = ScheduleRequest(f"w{i}", (1000,), 100, BS, 8, waited_s=0.05)
+        d = s.schedule(r, now=now)
+        assert d.predicted_ttft_s == pytest.approx(0.05 + 0.1)
+        # Its decode joins at its first token: 0.1 s from now.
+        assert s.decode["d0"].booked[r.request_id].join_at == pytest.approx(now + 0.1)
+        # First token 0.12 s after scheduling: 0.17 s after arrival.
+        s.on_prefill_finished("p0", r.request_id, now=now + 0.12, actual_seconds=0.1,
+                              actual_ttft_s=0.17)
+        s.on_decode_finished("d0", r.request_id, now + 1.0)
+        now += 10.0
+    assert s.ttft_residuals.median("p0", 0, now) == pytest.approx(0.02)
+    d = s.schedule(ScheduleRequest("late", (1000,), 100, BS, 8, waited_s=0.9), now=now)
+    assert isinstance(d, Rejection) and d.reason == "ttft_slo"
+    assert d.predicted_ttft_s == pytest.approx(0.9 + 0.1 + 0.02)
+    with pytest.raises(ValueError, match="waited_s"):
+        ScheduleRequest("bad", (1000,), 100, BS, 8, waited_s=-1.0)
+
+
 def test_prior_priced_requests_teach_nothing():
     s = sched(ttft_slo_s=1.0)
     now = finish_missing(s, [0.5] * 6, prior=True)

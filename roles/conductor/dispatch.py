@@ -21,7 +21,7 @@ import contextlib
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, TypeVar
 
 from kvstore.keys import block_keys
@@ -220,15 +220,22 @@ class Dispatcher:
 
     async def _call_prefill(self, node_id: str, url: str, spec: PrefillRequest,
                             deadline_s: float) -> PrefilledAt:
-        call = asyncio.ensure_future(self._prefill_once(node_id, url, spec, deadline_s))
+        """The prefill call; run as a task of its own, which membership
+        cancels (``_on_membership``) when the node is declared dead.  The
+        request goes out from this task's first step: in a burst each step
+        of the event loop runs every arrival's parsing and scheduling, and
+        a call that waited for a second task would wait a second round."""
+        call = asyncio.current_task()
+        assert call is not None
         calls = self._prefill_calls.setdefault(node_id, set())
         calls.add(call)
         try:
-            return await call
+            return await self._prefill_once(node_id, url, spec, deadline_s)
         except asyncio.CancelledError:
             reason = self._abandoned.pop(call, None)
             if reason is None:
                 raise  # our own caller was cancelled (client gone)
+            call.uncancel()
             # Retried elsewhere like a dropped connection: a node that dies
             # slowly (kill -9 of a process at idle priority on a busy core
             # closes its sockets late) or is partitioned (no FIN at all) is
@@ -389,7 +396,8 @@ class Dispatcher:
             sched_keys = keys + block_keys(token_ids[-tail:], tail, self.hash_seed,
                                            parent=keys[-1] if keys else 0)
         sreq = ScheduleRequest(request_id, tuple(sched_keys), len(token_ids), bs,
-                               expected_output_tokens=sampling.max_tokens)
+                               expected_output_tokens=sampling.max_tokens,
+                               waited_s=max(0.0, time.perf_counter() - t0))
         decision = sched.schedule(sreq, time.monotonic())
         trace.schedule_s = time.perf_counter() - t_start
         if isinstance(decision, Rejection):
@@ -513,6 +521,7 @@ class Dispatcher:
                     sched.on_prefill_finished(decision.prefill_node, request_id, now, 0.0)
                     sched.on_decode_finished(decision.decode_node, request_id, now)
                     booked = False
+                    sreq = replace(sreq, waited_s=max(0.0, time.perf_counter() - t0))
                     retry = sched.schedule(sreq, now)
                     if isinstance(retry, Rejection):
                         raise

@@ -17,6 +17,12 @@ on, the gaps between known busy intervals pass at ``idle_rate`` (< 1), the
 share of time that no request yet to come keeps the decode nodes busy
 (``idle_share_of_arrivals``).
 
+A colocated node's prefill shares one compute thread with the node's own
+decode steps: while its decode is busy a prefill gets its share of the
+thread (``busy_rate``: a chunk between two steps), outside at full speed.
+A reply of a few tokens keeps the decode busy for a few steps, so a long
+prefill behind it is slowed for those steps only.
+
 Pure functions of intervals and times; an interval is ``(start, end)``
 with ``start < end`` and a busy set is a sorted list of disjoint ones.
 """
@@ -99,9 +105,10 @@ def _split(a: float, b: float, after: float):
 
 
 def progress(busy: list[Interval], start: float, end: float,
-             after: float = math.inf, idle_rate: float = 1.0) -> float:
-    """Work done in [start, end] by a task that runs only outside ``busy``
-    (and, from ``after`` on, at ``idle_rate`` of the rest)."""
+             after: float = math.inf, idle_rate: float = 1.0, busy_rate: float = 0.0) -> float:
+    """Work done in [start, end] by a task that runs at ``busy_rate`` of
+    the time inside ``busy`` (0: not at all) and fully outside it (from
+    ``after`` on, at ``idle_rate``)."""
     if end <= start:
         return 0.0
     done = 0.0
@@ -109,21 +116,31 @@ def progress(busy: list[Interval], start: float, end: float,
         if a >= end:
             break
         done += (min(b, end) - a) * (idle_rate if late else 1.0)
+    if busy_rate > 0:
+        done += busy_rate * busy_within(busy, start, end)
     return done
 
 
 def wall_for(busy: list[Interval], start: float, work: float,
-             after: float = math.inf, idle_rate: float = 1.0) -> float:
-    """Seconds from ``start`` until a task that runs only outside ``busy``
-    (and, from ``after`` on, at ``idle_rate`` of the rest) has done
-    ``work`` seconds of it: ``work`` itself when nothing is busy."""
+             after: float = math.inf, idle_rate: float = 1.0, busy_rate: float = 0.0) -> float:
+    """Seconds from ``start`` until a task that runs at ``busy_rate`` of
+    the time inside ``busy`` and fully outside it (from ``after`` on, at
+    ``idle_rate``) has done ``work`` seconds of it: ``work`` itself when
+    nothing is busy."""
     if work <= 0:
         return 0.0
     left = work
     rate_floor = 1e-3  # a decode node busy all the time still yields a sliver
+    t = start
     for a, b, late in _gaps(busy, start, after):
+        # [t, a) is busy: the stretch between the previous gap and this one.
+        if busy_rate > 0 and a > t:
+            if (a - t) * busy_rate >= left:
+                return t + left / busy_rate - start
+            left -= (a - t) * busy_rate
         rate = max(rate_floor, idle_rate) if late else 1.0
         if (b - a) * rate >= left:
             return a + left / rate - start
         left -= (b - a) * rate
+        t = b
     raise AssertionError("the last gap is unbounded")

@@ -122,14 +122,36 @@ class NodeBookings(YieldingPrefill):
         return (chunk, self.step_seconds(node)) if chunk > 0 else (0.0, 0.0)
 
     def modelled_prefill_share(self, node: str) -> float:
-        """The cost model's share of wall time a prefill gets on ``node``:
-        1, or on a colocated node that is decoding chunk / (chunk + step)."""
+        """The cost model's share of wall time a prefill gets on ``node``
+        while the node decodes: 1, or on a colocated node that is decoding
+        chunk / (chunk + step) (for as long as its decode steps:
+        ``own_decode_busy``)."""
         chunk, step = self.interleave(node)
         return chunk / (chunk + step) if chunk > 0 and step > 0 else 1.0
 
+    def own_decode_busy(self, node: str) -> list[borrowed.Interval]:
+        """When colocated ``node``'s own decode is predicted to be stepping
+        (``decode_busy``): the stretches in which its prefills get
+        ``prefill_share`` of its compute thread, all of it outside them.
+        Empty for a node that is not colocated."""
+        p = self.prefill.get(node)
+        if p is None or not p.interleave_tokens or node not in self.decode:
+            return []
+        return self.decode_busy(node)
+
+    def prefill_wall_s(self, node: str, start: float, work: float, share: float,
+                       busy: list[borrowed.Interval] | None = None) -> float:
+        """Wall seconds from ``start`` for ``work`` seconds of prefill on a
+        node that is not yielding, at ``share`` of the thread while its own
+        decode steps (``own_decode_busy``, or ``busy``)."""
+        if share >= 1.0 or work <= 0:
+            return max(0.0, work)
+        spans = self.own_decode_busy(node) if busy is None else busy
+        return borrowed.wall_for(spans, start, work, busy_rate=share)
+
     def prefill_share(self, node: str, now: float | None = None) -> float:
-        """The share of wall time a prefill gets on ``node``: the modelled
-        share, and where that is below 1 (a colocated node that is decoding)
+        """The share of wall time a prefill gets on ``node`` while the node
+        decodes: the modelled share, and where that is below 1 (a colocated node that is decoding)
         corrected by the median share residual of the node's prefills at
         ``now`` (``share_residuals``: log(modelled / measured share), where
         a prefill's measured share is its compute over its compute and the
@@ -167,7 +189,8 @@ class NodeBookings(YieldingPrefill):
             share = self.prefill_share(node, now)
             if share >= 1.0:
                 return wall_progress
-            return lambda start, end: share * max(0.0, end - start)
+            spans = self.own_decode_busy(node) if busy is None else busy
+            return lambda start, end: borrowed.progress(spans, start, end, busy_rate=share)
         spans = self.yielded_busy(node) if busy is None else busy
         share = 1.0 if now is None else self.yield_share(node, now)
         return lambda start, end: share * borrowed.progress(spans, start, end)

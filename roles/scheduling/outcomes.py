@@ -153,7 +153,8 @@ class OutcomeLearning(DecodePricing):
             residual = log_ratio(inf.modelled_share, actual_seconds / held)
             if residual is not None:
                 self.share_residuals.add(node, None, residual, now)
-        actual_ttft = now - inf.scheduled_at if actual_ttft_s is None else actual_ttft_s
+        actual_ttft = now - inf.scheduled_at + inf.req.waited_s if actual_ttft_s is None \
+            else actual_ttft_s
         inf.ttft_s = actual_ttft
         error = inf.decision.predicted_ttft_s - actual_ttft
         self.ttft_errors.append(error)

@@ -118,14 +118,17 @@ class Scheduler(OutcomeLearning):
         level = self.load_level()
 
         def busy_of(node: str) -> list[borrowed.Interval]:
-            # Worked out once per decision, and only for a node priced as yielding.
+            # Worked out once per decision: when a yielding node's decode
+            # nodes, or a colocated node's own decode, are stepping.
             if node not in busy:
-                busy[node] = self.yielded_busy(node) if self.yields(node) else []
+                busy[node] = self.yielded_busy(node) if self.yields(node) \
+                    else self.own_decode_busy(node)
             return busy[node]
 
         def wall_s(node: str, start: float, work: float) -> float:
             if not self.yields(node):
-                return work / self.prefill_share(node, now)
+                return self.prefill_wall_s(node, start, work, self.prefill_share(node, now),
+                                           busy_of(node))
             # At ``share`` of the modelled progress, work w takes the wall
             # time the model gives w / share.
             return borrowed.wall_for(busy_of(node), start, work / self.yield_share(node, now),
@@ -183,11 +186,11 @@ class Scheduler(OutcomeLearning):
             if overflow and own:
                 ctx.nodes = own
                 plan = self._choose_among(ctx)
-                if self._admits(plan, ctx.now):
+                if self._admits(plan, ctx.now, ctx.req.waited_s):
                     return plan
                 ctx.nodes = overflow
                 spill = self._choose_among(ctx)
-                return spill if self._admits(spill, ctx.now) else plan
+                return spill if self._admits(spill, ctx.now, ctx.req.waited_s) else plan
         return self._choose_among(ctx)
 
     def _choose_among(self, ctx: PlanContext) -> PrefillPlan:
@@ -196,11 +199,11 @@ class Scheduler(OutcomeLearning):
             plan = self._admissible_plan(ctx, plan)
         return plan
 
-    def _admits(self, plan: PrefillPlan, now: float) -> bool:
-        """The plan's TTFT plus the node's admission-quantile residual is
-        within the SLO."""
+    def _admits(self, plan: PrefillPlan, now: float, waited_s: float = 0.0) -> bool:
+        """The plan's TTFT (after the ``waited_s`` already passed) plus the
+        node's admission-quantile residual is within the SLO."""
         level = self.load_level()
-        return plan.ttft + self.ttft_residuals.median(plan.node, level, now) \
+        return waited_s + plan.ttft + self.ttft_residuals.median(plan.node, level, now) \
             + self.batch_wait_s(plan.node, plan.t_queue) \
             <= self.ttft_admit_limit(plan.node, now, level)
 
@@ -213,7 +216,7 @@ class Scheduler(OutcomeLearning):
         limit, so Algorithm 1 decides whenever the SLO is not at stake."""
         first = plan
         nodes = list(ctx.nodes)
-        while not self._admits(plan, ctx.now):
+        while not self._admits(plan, ctx.now, ctx.req.waited_s):
             nodes.remove(plan.node)
             if not nodes:
                 return first
@@ -234,13 +237,19 @@ class Scheduler(OutcomeLearning):
         if ctx is None:
             return self._reject(req, "no_prefill_node", math.inf, math.inf, 1.0)
         plan = self._choose(ctx)
-        # As priced, before this request's booking joins the decode load.
-        modelled_share = 1.0 if self.yields(plan.node) else self.modelled_prefill_share(plan.node)
+        # The model's share of the thread over this prefill as priced (its
+        # work over its wall time where the node's own decode steps),
+        # before this request's booking joins the decode load.
+        modelled_share = 1.0 if self.yields(plan.node) else \
+            self.priced_share(plan, now)
         cfg = self.config
         level = self.load_level()
-        model_ttft = plan.ttft + self.batch_wait_s(plan.node, plan.t_queue)
+        # From the request's arrival: the part already waited is known.
+        model_ttft = req.waited_s + plan.ttft + self.batch_wait_s(plan.node, plan.t_queue)
         ttft = model_ttft + self.ttft_residuals.median(plan.node, level, now)
-        dnode, tbt, tbt_model, tbt_chunks = self._decode_choice(req, now, ttft, plan.node)
+        # Its first token, and its join to a decode node, from now.
+        first_in_s = ttft - req.waited_s
+        dnode, tbt, tbt_model, tbt_chunks = self._decode_choice(req, now, first_in_s, plan.node)
         if dnode is None:
             return self._reject(req, "no_decode_capacity", ttft, math.inf, 1.0)
         ttft_limit = self.ttft_admit_limit(plan.node, now, level)
@@ -270,7 +279,7 @@ class Scheduler(OutcomeLearning):
         tokens = req.prompt_tokens + req.expected_output_tokens
         pages = dnode.pages_for(tokens)
         dnode.reserved[req.request_id] = (pages, tokens)
-        dnode.booked[req.request_id] = BookedJoin(now + ttft, req.prompt_tokens,
+        dnode.booked[req.request_id] = BookedJoin(now + first_in_s, req.prompt_tokens,
                                                   req.expected_output_tokens)
         dnode.free_pages -= pages
         if cfg.price_yielded_work:  # only what prices a yielding node reads them
@@ -285,6 +294,20 @@ class Scheduler(OutcomeLearning):
         if req.block_keys:
             self._inflight_by_first_block.setdefault(req.block_keys[0], set()).add(req.request_id)
         return decision
+
+    def priced_share(self, plan: PrefillPlan, now: float) -> float:
+        """The cost model's share of the compute thread over ``plan``'s
+        prefill: its work over the wall time the modelled share
+        (``modelled_prefill_share``, no residual) gives it where the node's
+        own decode steps; 1 where none overlaps it.  What a colocated
+        prefill's measured share (its compute over its compute and the
+        decode steps it gave way to) is compared with."""
+        share = self.modelled_prefill_share(plan.node)
+        work = plan.t_prefill if plan.prefill_work_s is None else plan.prefill_work_s
+        if share >= 1.0 or work <= 0:
+            return 1.0
+        wall = self.prefill_wall_s(plan.node, now + plan.t_queue + plan.t_transfer, work, share)
+        return min(1.0, work / wall) if wall > 0 else 1.0
 
     def ttft_admit_limit(self, node: str, now: float, level: int | None = None) -> float:
         """The highest predicted TTFT (cost model + median residual) admitted

@@ -41,10 +41,16 @@ class ScheduleRequest:
     prompt_tokens: int
     block_size: int
     expected_output_tokens: int = 0
+    # Seconds the request has already waited when it is scheduled (its body
+    # read and tokenizing): its TTFT counts from its arrival, as its
+    # client's does, so the prediction adds this known part to the rest.
+    waited_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.prompt_tokens <= 0:
             raise ValueError("prompt_tokens must be > 0")
+        if not self.waited_s >= 0:
+            raise ValueError("waited_s must be >= 0")
         if self.block_size <= 0:
             raise ValueError("block_size must be > 0")
         if self.expected_output_tokens < 0:

@@ -2,7 +2,8 @@
 
 While a colocated node decodes it alternates one prefill chunk of
 ``interleave_tokens`` and one decode step: a prefill gets chunk / (chunk +
-step) of the wall time, and a decode sequence's interval holds a chunk for
+step) of the wall time for as long as the node's replies are predicted to
+step, all of it outside, and a decode sequence's interval holds a chunk for
 as long as prefill work is queued there.
 """
 import math

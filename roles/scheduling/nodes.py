@@ -151,11 +151,12 @@ class NodeBookings(YieldingPrefill):
 
     def prefill_share(self, node: str, now: float | None = None) -> float:
         """The share of wall time a prefill gets on ``node`` while the node
-        decodes: the modelled share, and where that is below 1 (a colocated node that is decoding)
-        corrected by the median share residual of the node's prefills at
-        ``now`` (``share_residuals``: log(modelled / measured share), where
-        a prefill's measured share is its compute over its compute and the
-        decode steps it gave way to).  The model alone when ``now`` is None."""
+        decodes: the modelled share, and where that is below 1 (a colocated
+        node that is decoding) corrected by the median share residual of the
+        node's prefills at ``now`` (``share_residuals``: log(modelled /
+        measured share), where a prefill's measured share is its compute
+        over its compute and the decode steps it gave way to).  The model
+        alone when ``now`` is None."""
         share = self.modelled_prefill_share(node)
         if share >= 1.0 or now is None:
             return share

@@ -186,11 +186,11 @@ class Scheduler(OutcomeLearning):
             if overflow and own:
                 ctx.nodes = own
                 plan = self._choose_among(ctx)
-                if self._admits(plan, ctx.now, ctx.req.waited_s):
+                if self._admits(plan, ctx):
                     return plan
                 ctx.nodes = overflow
                 spill = self._choose_among(ctx)
-                return spill if self._admits(spill, ctx.now, ctx.req.waited_s) else plan
+                return spill if self._admits(spill, ctx) else plan
         return self._choose_among(ctx)
 
     def _choose_among(self, ctx: PlanContext) -> PrefillPlan:
@@ -199,13 +199,14 @@ class Scheduler(OutcomeLearning):
             plan = self._admissible_plan(ctx, plan)
         return plan
 
-    def _admits(self, plan: PrefillPlan, now: float, waited_s: float = 0.0) -> bool:
-        """The plan's TTFT (after the ``waited_s`` already passed) plus the
-        node's admission-quantile residual is within the SLO."""
+    def _admits(self, plan: PrefillPlan, ctx: PlanContext) -> bool:
+        """The plan's TTFT (after the time the request already waited) plus
+        the node's admission-quantile residual is within the SLO."""
         level = self.load_level()
-        return waited_s + plan.ttft + self.ttft_residuals.median(plan.node, level, now) \
+        return ctx.req.waited_s + plan.ttft \
+            + self.ttft_residuals.median(plan.node, level, ctx.now) \
             + self.batch_wait_s(plan.node, plan.t_queue) \
-            <= self.ttft_admit_limit(plan.node, now, level)
+            <= self.ttft_admit_limit(plan.node, ctx.now, level)
 
     def _admissible_plan(self, ctx: PlanContext, plan: PrefillPlan) -> PrefillPlan:
         """With residuals learned per node, the policy's choice may exceed its
@@ -216,7 +217,7 @@ class Scheduler(OutcomeLearning):
         limit, so Algorithm 1 decides whenever the SLO is not at stake."""
         first = plan
         nodes = list(ctx.nodes)
-        while not self._admits(plan, ctx.now, ctx.req.waited_s):
+        while not self._admits(plan, ctx):
             nodes.remove(plan.node)
             if not nodes:
                 return first
@@ -237,11 +238,11 @@ class Scheduler(OutcomeLearning):
         if ctx is None:
             return self._reject(req, "no_prefill_node", math.inf, math.inf, 1.0)
         plan = self._choose(ctx)
+        work = plan.t_prefill if plan.prefill_work_s is None else plan.prefill_work_s
         # The model's share of the thread over this prefill as priced (its
         # work over its wall time where the node's own decode steps),
         # before this request's booking joins the decode load.
-        modelled_share = 1.0 if self.yields(plan.node) else \
-            self.priced_share(plan, now)
+        modelled_share = 1.0 if self.yields(plan.node) else self.priced_share(plan, work, now)
         cfg = self.config
         level = self.load_level()
         # From the request's arrival: the part already waited is known.
@@ -265,7 +266,6 @@ class Scheduler(OutcomeLearning):
                             plan.transfer, ttft, tbt, plan.t_queue, plan.t_transfer,
                             plan.t_prefill, self.policy.name)
         # Book the work so the next decision sees it before any heartbeat.
-        work = plan.t_prefill if plan.prefill_work_s is None else plan.prefill_work_s
         pending = self.prefill[plan.node].pending
         by_prior = not self.estimator_for(plan.node).fitted_since_fork()
         # Its prediction holds the prior's error if its own price or the
@@ -295,15 +295,14 @@ class Scheduler(OutcomeLearning):
             self._inflight_by_first_block.setdefault(req.block_keys[0], set()).add(req.request_id)
         return decision
 
-    def priced_share(self, plan: PrefillPlan, now: float) -> float:
+    def priced_share(self, plan: PrefillPlan, work: float, now: float) -> float:
         """The cost model's share of the compute thread over ``plan``'s
-        prefill: its work over the wall time the modelled share
+        prefill: its ``work`` over the wall time the modelled share
         (``modelled_prefill_share``, no residual) gives it where the node's
         own decode steps; 1 where none overlaps it.  What a colocated
         prefill's measured share (its compute over its compute and the
         decode steps it gave way to) is compared with."""
         share = self.modelled_prefill_share(plan.node)
-        work = plan.t_prefill if plan.prefill_work_s is None else plan.prefill_work_s
         if share >= 1.0 or work <= 0:
             return 1.0
         wall = self.prefill_wall_s(plan.node, now + plan.t_queue + plan.t_transfer, work, share)
